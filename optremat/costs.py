@@ -1,0 +1,129 @@
+"""Per-op cost models: a FLOP/byte roofline over a device profile, or timing on a device.
+
+The roofline is what planning uses by default: it needs only shapes, so it works on fake
+tensors for models that do not fit in memory. Timing (`profile_costs`) runs the traced
+step on real tensors and measures each op.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Peak rates of a device; an op costs max(FLOPs / flops, bytes / bandwidth) + launch."""
+
+    name: str
+    flops_per_second: float
+    bytes_per_second: float
+    launch_seconds: float
+
+
+DEVICES: dict[str, DeviceProfile] = {
+    "cpu": DeviceProfile("cpu", flops_per_second=1.0e11, bytes_per_second=1.0e10, launch_seconds=5e-6),
+    "a100": DeviceProfile("a100", flops_per_second=1.56e14, bytes_per_second=1.6e12, launch_seconds=5e-6),
+    "h100": DeviceProfile("h100", flops_per_second=4.9e14, bytes_per_second=3.0e12, launch_seconds=4e-6),
+}
+
+_SAME_FLOPS_AS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def device_profile(name: str | DeviceProfile) -> DeviceProfile:
+    """Look up a device profile by name (cpu, a100, h100), or pass one through."""
+    if isinstance(name, DeviceProfile):
+        return name
+    if name not in DEVICES:
+        raise ValueError(f"unknown device profile {name!r}; choose one of {', '.join(DEVICES)} or pass a DeviceProfile")
+    return DEVICES[name]
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in a (possibly nested) value, each counted by its own size."""
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def op_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one aten op from PyTorch's flop formulas; 0 for ops it has none for."""
+    packet = getattr(target, "overloadpacket", None)
+    packet = _SAME_FLOPS_AS.get(packet, packet)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+def roofline_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
+    """Seconds one fx node takes on `profile` by the roofline model."""
+    value = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    args = torch.fx.node.map_aggregate(node.args, value)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+    out = node.meta.get("val")
+    flops = op_flops(node.target, args, kwargs, out)
+    moved = tensor_bytes((args, kwargs)) + tensor_bytes(out)
+    return max(flops / profile.flops_per_second, moved / profile.bytes_per_second) + profile.launch_seconds
+
+
+def workspace_bytes(node: torch.fx.Node) -> int:
+    """Temporaries a kernel allocates beyond its outputs, for the kernels known to.
+
+    Measured on PyTorch's CPU kernels: a strided or transposed convolution's backward
+    builds its input gradient in a scratch buffer and copies it out.
+    """
+    if getattr(node.target, "overloadpacket", None) is aten.convolution_backward:
+        stride, transposed = node.args[4], node.args[6]
+        if transposed or any(s != 1 for s in stride):
+            return tensor_bytes(node.args[1].meta.get("val"))
+    return 0
+
+
+class _OpTimer(torch.fx.Interpreter):
+    """Runs a traced step on real tensors, timing each op (best of `repeats`)."""
+
+    def __init__(self, module: torch.fx.GraphModule, repeats: int) -> None:
+        super().__init__(module)
+        self.repeats = repeats
+        self.seconds: dict[str, float] = {}
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        best = float("inf")
+        result = None
+        for _ in range(self.repeats):
+            _synchronize(args)
+            start = time.perf_counter()
+            result = super().call_function(target, args, kwargs)
+            _synchronize(result)
+            best = min(best, time.perf_counter() - start)
+        self.seconds[self.current_node] = best
+        return result
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.current_node = n.name
+        return super().run_node(n)
+
+
+def _synchronize(value: Any) -> None:
+    for t in torch.utils._pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            torch.cuda.synchronize(t.device)
+            return
+
+
+def profile_costs(module: torch.fx.GraphModule, real_args: list[Any], repeats: int = 3) -> dict[str, float]:
+    """Measured seconds per op node name, from running `module` on `real_args`."""
+    timer = _OpTimer(module, repeats)
+    with torch.no_grad():
+        timer.run(*real_args)
+    return timer.seconds

@@ -1,0 +1,284 @@
+"""nn.Module + example inputs → Graph of one training step.
+
+The step is traced with `make_fx` on fake tensors (no real memory is touched) as
+`torch.autograd.grad` of the loss with respect to every parameter, which records the
+backward ops autograd really runs: a backward op reads exactly the forward tensors that
+autograd saved for it. Without a loss function, the gradient of the model's output is
+an input of the step, so any loss computed outside the model is covered.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from optremat.costs import DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
+from optremat.graph import Graph
+
+
+class ExtractionError(RuntimeError):
+    """The model could not be traced; the message names the op and module and what to try."""
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced training step: the fx graph and the Graph built from it."""
+
+    module: torch.fx.GraphModule
+    graph: Graph
+    fx_nodes: tuple[str, ...]
+
+
+_MARK = "optremat"
+
+
+def extract(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    cost_model: str = "roofline",
+    device: str | DeviceProfile = "cpu",
+) -> Graph:
+    """The joint forward+backward Graph of one training step of `model`.
+
+    `cost_model="roofline"` prices ops from FLOPs and bytes over `device`'s profile;
+    `cost_model="profile"` runs the step on the model's real tensors and times each op.
+    """
+    return trace(model, example_inputs, loss_fn, cost_model=cost_model, device=device).graph
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    cost_model: str = "roofline",
+    device: str | DeviceProfile = "cpu",
+) -> Traced:
+    """Like `extract`, also returning the fx graph the Graph was built from."""
+    if cost_model not in ("roofline", "profile"):
+        raise ValueError(f"cost_model must be 'roofline' or 'profile', not {cost_model!r}")
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    trainable = [name for name, p in params.items() if p.requires_grad]
+    if not trainable:
+        raise ExtractionError(f"{type(model).__name__} has no parameter that requires grad: there is no backward to plan")
+
+    grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
+
+    def step(params: dict, buffers: dict, inputs: tuple, grad_outputs: list) -> tuple:
+        out = torch.func.functional_call(model, (params, buffers), inputs)
+        if loss_fn is not None:
+            roots, root_grads = [loss_fn(out)], None
+        else:
+            roots, root_grads = _grad_leaves(out), grad_outputs
+        with _phase("backward"):
+            grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
+        return roots, grads
+
+    grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
+    args = (params, buffers, inputs, grad_outputs)
+    with _module_paths(model) as where, fx_traceback.preserve_node_meta():
+        try:
+            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+        except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
+            raise ExtractionError(_explain_failure(model, error, where())) from error
+
+    placeholder_kinds = (["param"] * len(params) + ["param"] * len(buffers)
+                         + ["input"] * len(tree_leaves(inputs)) + ["input"] * len(grad_outputs))
+    param_names = list(params) + list(buffers)
+    costs = _costs(gm, args, cost_model, device_profile(device))
+    graph, names = _to_graph(gm, placeholder_kinds, param_names, costs)
+    return Traced(gm, graph, names)
+
+
+def _grad_leaves(out: Any) -> list[torch.Tensor]:
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise ExtractionError("the model's output has no tensor that requires grad; pass loss_fn or check the model")
+    return leaves
+
+
+def _output_like(model: nn.Module, params: dict, buffers: dict, inputs: tuple) -> list[torch.Tensor]:
+    """Fake tensors shaped like the differentiable outputs, to stand for their gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        out = torch.func.functional_call(model, ({k: fake(v) for k, v in params.items()},
+                                                 {k: fake(v) for k, v in buffers.items()}),
+                                         tuple(fake(x) for x in inputs))
+        leaves = _grad_leaves(out)
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
+
+
+def _set_custom(**fields: Any) -> None:
+    meta = fx_traceback.get_current_meta()
+    custom = dict(meta.get("custom", {}))
+    custom.update({f"{_MARK}_{k}": v for k, v in fields.items()})
+    meta["custom"] = custom
+
+
+@contextmanager
+def _phase(name: str) -> Iterator[None]:
+    _set_custom(phase=name, module="")
+    try:
+        yield
+    finally:
+        _set_custom(phase="forward")
+
+
+@contextmanager
+def _module_paths(model: nn.Module) -> Iterator[Callable[[], str]]:
+    """Tag traced nodes with the path of the module running them."""
+    stack = [""]
+
+    def enter(path: str) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            stack.append(path)
+            _set_custom(module=path)
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop()
+        _set_custom(module=stack[-1])
+
+    handles = []
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_pre_hook(enter(path)))
+            handles.append(module.register_forward_hook(leave))
+    try:
+        yield lambda: stack[-1]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
+    text = str(error)
+    ops = re.findall(r"aten\.[A-Za-z0-9_.]+", text)
+    op = ops[0] if ops else type(error).__name__
+    module = f"module '{where}'" if where else f"{type(model).__name__}.forward"
+    first_line = text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
+    if "data-dependent" in text or "_local_scalar_dense" in text or "DataDependent" in type(error).__name__:
+        hint = ("the model reads a tensor's value in Python (.item(), .tolist(), `if tensor:`); make that check "
+                "skippable during tracing or move it out of forward")
+    else:
+        hint = "run the model once eagerly on the same inputs to check it works; if it does, report this op"
+    return f"could not trace the training step: {op} failed in {module}: {first_line}. Hint: {hint}."
+
+
+def _costs(gm: torch.fx.GraphModule, args: tuple, cost_model: str, profile: DeviceProfile) -> dict[str, float]:
+    if cost_model == "profile":
+        return profile_costs(gm, tree_leaves(args))
+    return {n.name: roofline_cost(n, profile) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def _storages(value: Any) -> dict[StorageWeakRef, int]:
+    """The distinct storages behind a node's value, with their bytes."""
+    return {StorageWeakRef(t.untyped_storage()): int(t.untyped_storage().nbytes())
+            for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
+
+
+def _tensor_type(value: Any) -> str:
+    parts = []
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            parts.append(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
+    return ",".join(parts)
+
+
+def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_names: list[str],
+              costs: dict[str, float]) -> tuple[Graph, tuple[str, ...]]:
+    fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
+    fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
+    index = {n: i for i, n in enumerate(fx_nodes)}
+    owner: dict[StorageWeakRef, int] = {}
+    cols: dict[str, list] = {k: [] for k in ("names", "ops", "cost", "size", "backward", "kind", "module",
+                                            "alias_of", "fusible", "workspace", "tensor")}
+    edges = []
+    placeholder = 0
+    for i, node in enumerate(fx_nodes):
+        value = node.meta.get("val")
+        custom = node.meta.get("custom", {})
+        preds = [index[p] for p in node.all_input_nodes]
+        edges += [(p, i) for p in preds]
+        if node.op == "placeholder":
+            kind = placeholder_kinds[placeholder]
+            module = param_names[placeholder].rpartition(".")[0] if placeholder < len(param_names) else ""
+            placeholder += 1
+        else:
+            kind = "input" if node.op == "get_attr" else "op"
+            module = custom.get(f"{_MARK}_module", "")
+        storages = _storages(value)
+        fresh = {r: nbytes for r, nbytes in storages.items() if r not in owner}
+        alias_of = -1
+        if kind == "op" and storages and not fresh:
+            roots = {owner[r] for r in storages}
+            alias_of = next((p for p in preds if _root(cols["alias_of"], p) in roots), -1)
+        for r in fresh:
+            owner[r] = i
+        size = sum(fresh.values())
+        if node.target is operator.getitem and alias_of >= 0 and cols["alias_of"][alias_of] < 0:
+            size = sum(storages.values())
+        target = node.target
+        op_name = getattr(target, "__name__", str(target)) if node.op == "call_function" else node.op
+        if hasattr(target, "_schema"):
+            op_name = str(target).removeprefix("aten.")
+        cols["names"].append(node.name)
+        cols["ops"].append(op_name)
+        cols["cost"].append(0.0 if alias_of >= 0 or kind != "op" else costs.get(node.name, 0.0))
+        cols["size"].append(int(size))
+        cols["backward"].append(custom.get(f"{_MARK}_phase") == "backward")
+        cols["kind"].append(kind)
+        cols["module"].append(module)
+        cols["alias_of"].append(alias_of)
+        cols["fusible"].append(alias_of >= 0 or _pointwise(target))
+        cols["workspace"].append(workspace_bytes(node) if node.op == "call_function" else 0)
+        cols["tensor"].append(_tensor_type(value))
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    output = [False] * len(fx_nodes)
+    for node in output_node.all_input_nodes:
+        output[index[node]] = True
+    _backward_paths(cols, edges)
+    graph = Graph.build(edges=edges, output=output, **cols)
+    return graph, tuple(cols["names"])
+
+
+def _root(alias_of: list[int], i: int) -> int:
+    while alias_of[i] >= 0:
+        i = alias_of[i]
+    return i
+
+
+def _pointwise(target: Any) -> bool:
+    tags = getattr(target, "tags", ())
+    return torch.Tag.pointwise in tags or target is operator.getitem
+
+
+def _backward_paths(cols: dict[str, list], edges: list[tuple[int, int]]) -> None:
+    """Give each backward op the module of the forward tensor (or param) it reads."""
+    preds: dict[int, list[int]] = {}
+    for src, dst in edges:
+        preds.setdefault(dst, []).append(src)
+    for i, is_backward in enumerate(cols["backward"]):
+        if not is_backward or cols["module"][i]:
+            continue
+        candidates = sorted(preds.get(i, []), key=lambda p: (cols["backward"][p], -p))
+        cols["module"][i] = next((cols["module"][p] for p in candidates if cols["module"][p]), "")

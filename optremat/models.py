@@ -1,0 +1,224 @@
+"""Built-in models for the CLI, tests and benchmarks.
+
+Each comes in a tiny configuration (tests: seconds on a CPU) and a realistic one
+(`gpt-small` is GPT-2 small's shape). `build(name)` returns the model, example inputs
+and a loss over the model's output, so a training step is `loss_fn(model(*inputs))`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Example:
+    """A model, inputs for one step, and the loss of its output (targets bound in)."""
+
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2 style decoder with tied input/output embeddings."""
+
+    def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """A ResNet-18 style CNN: skip connections and BatchNorm."""
+
+    def __init__(self, width: int, blocks: tuple[int, ...], classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        layers = []
+        cin = width
+        for stage, count in enumerate(blocks):
+            cout = width * 2**stage
+            for b in range(count):
+                layers.append(BasicBlock(cin, cout, 2 if b == 0 and stage > 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+
+def _conv_block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
+
+
+class UNet(nn.Module):
+    """A U-Net: long skip connections from each encoder level to its decoder level."""
+
+    def __init__(self, width: int, depth: int, classes: int) -> None:
+        super().__init__()
+        widths = [width * 2**i for i in range(depth + 1)]
+        self.down = nn.ModuleList(_conv_block(cin, cout) for cin, cout in zip([3] + widths[:-2], widths[:-1]))
+        self.middle = _conv_block(widths[-2], widths[-1])
+        self.up = nn.ModuleList(nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2) for i in reversed(range(depth)))
+        self.dec = nn.ModuleList(_conv_block(2 * widths[i], widths[i]) for i in reversed(range(depth)))
+        self.out = nn.Conv2d(width, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+            x = F.max_pool2d(x, 2)
+        x = self.middle(x)
+        for up, dec, skip in zip(self.up, self.dec, reversed(skips)):
+            x = dec(torch.cat([up(x), skip], dim=1))
+        return self.out(x)
+
+
+def mlp(width: int, depth: int, inputs: int, classes: int) -> nn.Sequential:
+    """A plain chain of Linear+ReLU layers."""
+    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def vgg(widths: tuple[int, ...], convs_per_stage: int, image: int, classes: int) -> nn.Sequential:
+    """A VGG-style chain: conv+ReLU stages separated by max-pooling, then a classifier."""
+    layers: list[nn.Module] = []
+    cin = 3
+    for cout in widths:
+        for _ in range(convs_per_stage):
+            layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]
+            cin = cout
+        layers.append(nn.MaxPool2d(2))
+    side = image // 2 ** len(widths)
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(cin * side * side, 4 * cin), nn.ReLU(), nn.Linear(4 * cin, classes))
+
+
+class UnrolledLSTM(nn.Module):
+    """An LSTM cell unrolled over time, with a classifier on the last state."""
+
+    def __init__(self, inputs: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(inputs, hidden)
+        self.fc = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        c = torch.zeros_like(h)
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return self.fc(h)
+
+
+def _classification(model: nn.Module, x: torch.Tensor, classes: int) -> Example:
+    target = torch.randint(0, classes, (x.shape[0],), generator=torch.Generator().manual_seed(1))
+    return Example(model, (x,), lambda out: F.cross_entropy(out, target))
+
+
+def _classification_map(model: nn.Module, x: torch.Tensor, classes: int) -> Example:
+    """Per-pixel classification (segmentation) for the U-Net."""
+    target = torch.randint(0, classes, (x.shape[0], x.shape[2], x.shape[3]), generator=torch.Generator().manual_seed(1))
+    return Example(model, (x,), lambda out: F.cross_entropy(out, target))
+
+
+def _gpt(vocab: int, seq: int, dim: int, layers: int, heads: int, batch: int) -> Example:
+    model = GPT(vocab, seq, dim, layers, heads)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, vocab, (batch, seq), generator=gen)
+    target = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return Example(model, (idx,), lambda logits: F.cross_entropy(logits.flatten(0, 1), target.flatten()))
+
+
+def _image(batch: int, side: int) -> torch.Tensor:
+    return torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0))
+
+
+BUILDERS: dict[str, Callable[[], Example]] = {
+    "gpt-tiny": lambda: _gpt(vocab=128, seq=32, dim=64, layers=2, heads=4, batch=2),
+    "gpt-small": lambda: _gpt(vocab=50257, seq=1024, dim=768, layers=12, heads=12, batch=4),
+    "resnet-tiny": lambda: _classification(ResNet(16, (1, 1, 1), 10), _image(8, 64), 10),
+    "resnet": lambda: _classification(ResNet(64, (2, 2, 2, 2), 1000), _image(32, 224), 1000),
+    "unet-tiny": lambda: _classification_map(UNet(16, 3, 3), _image(4, 64), 3),
+    "unet": lambda: _classification_map(UNet(64, 4, 3), _image(8, 256), 3),
+    "mlp-tiny": lambda: _classification(mlp(64, 4, 32, 10), torch.randn(8, 32), 10),
+    "mlp": lambda: _classification(mlp(4096, 16, 1024, 1000), torch.randn(256, 1024), 1000),
+    "vgg-tiny": lambda: _classification(vgg((16, 32, 64), 2, 64, 10), _image(8, 64), 10),
+    "vgg": lambda: _classification(vgg((64, 128, 256, 512, 512), 2, 224, 1000), _image(16, 224), 1000),
+    "rnn-tiny": lambda: _classification(UnrolledLSTM(16, 32, 10), torch.randn(4, 8, 16), 10),
+    "rnn": lambda: _classification(UnrolledLSTM(512, 1024, 1000), torch.randn(64, 64, 512), 1000),
+}
+
+
+def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Example:
+    """Build a built-in model by name (see `BUILDERS`), with deterministic weights and data."""
+    if name not in BUILDERS:
+        raise KeyError(f"unknown built-in model {name!r}; choose one of {', '.join(sorted(BUILDERS))}")
+    torch.manual_seed(seed)
+    example = BUILDERS[name]()
+    if dtype != torch.float32:
+        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in example.inputs)
+        return Example(example.model.to(dtype), inputs, example.loss_fn)
+    return example

@@ -1,0 +1,251 @@
+"""Schedules (the universal plan format) and the simulator that prices them.
+
+A schedule runs in stages over the graph's topological order: stage t computes node t,
+preceded by any recomputations placed there. It is stored as computation events
+`(node, stage, until)`: the node is computed in `stage` and its output is kept alive
+through stage `until` (Checkmate's R matrix is the set of (stage, node) pairs, its S
+matrix the stages strictly after `stage` up to `until`).
+
+Memory model (the one every number in optremat comes from): within a stage, nodes run in
+index order; computing a node allocates its storage while its inputs are still live,
+which is the moment a peak can occur; right after, every tensor whose last use in the
+stage this was, and which is not kept into the next stage, is freed. A tensor kept into a
+stage it is not used in is freed at the start of that stage. Nodes hold storage units
+(`Graph.units`): an alias holds its base's, one output of a multi-output op holds its
+own part; a unit counts once however many live nodes hold it. Parameters and inputs are
+resident from the start; outputs (loss, gradients) are never freed: they are the step's
+result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Iterable
+
+import numpy as np
+
+from optremat.graph import Graph
+
+FORMAT_VERSION = 1
+
+
+class InvalidSchedule(ValueError):
+    """A schedule that cannot run: names the first offending stage and node."""
+
+    def __init__(self, message: str, stage: int, node: int) -> None:
+        super().__init__(f"stage {stage}, node {node}: {message}")
+        self.stage = stage
+        self.node = node
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Computation events sorted by (stage, node); see the module docstring."""
+
+    node: np.ndarray
+    stage: np.ndarray
+    until: np.ndarray
+    num_stages: int
+
+    @classmethod
+    def from_events(cls, events: Iterable[tuple[int, int, int]], num_stages: int) -> "Schedule":
+        rows = sorted((int(s), int(i), int(u)) for i, s, u in events)
+        array = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        columns = []
+        for k in (1, 0, 2):
+            column = np.ascontiguousarray(array[:, k])
+            column.setflags(write=False)
+            columns.append(column)
+        return cls(node=columns[0], stage=columns[1], until=columns[2], num_stages=int(num_stages))
+
+    @property
+    def events(self) -> list[tuple[int, int, int]]:
+        """(node, stage, until) triples in execution order."""
+        return list(zip(self.node.tolist(), self.stage.tolist(), self.until.tolist()))
+
+    @cached_property
+    def recomputations(self) -> int:
+        """Computation events beyond the first of each node."""
+        return len(self.node) - len(np.unique(self.node))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "optremat.schedule",
+            "version": FORMAT_VERSION,
+            "num_stages": self.num_stages,
+            "events": [list(e) for e in self.events],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Schedule":
+        if data.get("format") != "optremat.schedule" or data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"not an optremat schedule of format version {FORMAT_VERSION}")
+        return cls.from_events(map(tuple, data["events"]), data["num_stages"])
+
+
+def keep_all(graph: Graph) -> Schedule:
+    """The unplanned step: every node computed once, kept until its last consumer ran."""
+    last = _last_use(graph)
+    return Schedule.from_events(((i, i, int(last[i])) for i in range(graph.n)), graph.n)
+
+
+def recompute_all(graph: Graph) -> Schedule:
+    """Keep only params, inputs and outputs; every stage recomputes what it needs.
+
+    The most memory-frugal static schedule at the highest cost (quadratic in depth):
+    a reference point for tests and for the smallest-budget search.
+    """
+    end = graph.n - 1
+    events = []
+    for t in range(graph.n):
+        keep_t = end if graph.pinned[t] or graph.output[t] else t
+        events.extend((i, t, keep_t if i == t else t) for i in _unkept_ancestors(graph, t))
+    return Schedule.from_events(events, graph.n)
+
+
+def _unkept_ancestors(graph: Graph, t: int) -> list[int]:
+    """`t` and every ancestor reachable through nodes that are not resident or kept."""
+    seen = {t}
+    stack = [t]
+    while stack:
+        for p in graph.preds[stack.pop()].tolist():
+            if p not in seen and not (graph.pinned[p] or graph.output[p]):
+                seen.add(p)
+                stack.append(p)
+    return sorted(seen)
+
+
+def _last_use(graph: Graph) -> np.ndarray:
+    """Stage through which each node must live in the unplanned step."""
+    last = np.arange(graph.n)
+    for src, dst in graph.edges.tolist():
+        last[src] = max(last[src], dst)
+    last[graph.pinned | graph.output] = graph.n - 1
+    return last
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """What a schedule costs: peak bytes, total cost, and memory over the step.
+
+    `curve` holds the live bytes at each computation (the instant its output is allocated)
+    in execution order; `stage_peak` the highest such value per stage.
+    """
+
+    peak_bytes: int
+    cost: float
+    baseline_cost: float
+    curve: np.ndarray
+    stage_peak: np.ndarray
+    recomputations: int
+
+    @property
+    def overhead(self) -> float:
+        """Extra compute over the unplanned step, as a fraction of it."""
+        return self.cost / self.baseline_cost - 1.0 if self.baseline_cost > 0 else 0.0
+
+
+def simulate(graph: Graph, schedule: Schedule) -> SimResult:
+    """Validate `schedule` on `graph` and price it; raises InvalidSchedule if it cannot run."""
+    n = graph.n
+    if schedule.num_stages != n:
+        raise InvalidSchedule(f"schedule has {schedule.num_stages} stages for a graph of {n} nodes", 0, 0)
+    _check_events(graph, schedule)
+
+    preds = graph.preds
+    units = graph.units
+    unit_size = graph.unit_size.tolist()
+    workspace = graph.workspace.tolist()
+    resident = graph.pinned | graph.output
+    holders = [0] * n
+    live_until = np.full(n, -1, dtype=np.int64)
+    state = {"bytes": 0}
+
+    def hold(i: int) -> None:
+        for unit in units[i]:
+            holders[unit] += 1
+            if holders[unit] == 1:
+                state["bytes"] += unit_size[unit]
+
+    def release(i: int) -> None:
+        for unit in units[i]:
+            holders[unit] -= 1
+            if holders[unit] == 0:
+                state["bytes"] -= unit_size[unit]
+
+    curve = np.zeros(len(schedule.node), dtype=np.int64)
+    stage_peak = np.zeros(n, dtype=np.int64)
+    bounds = np.searchsorted(schedule.stage, np.arange(n + 1))
+    carried: list[int] = []
+    for s in range(n):
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        nodes = schedule.node[lo:hi].tolist()
+        untils = schedule.until[lo:hi].tolist()
+        last_use = {}
+        for pos, k in enumerate(nodes):
+            for p in preds[k].tolist():
+                last_use[p] = pos
+        still = []
+        for i in carried:
+            if live_until[i] == s and not resident[i] and i not in last_use:
+                release(i)
+                live_until[i] = -1
+            else:
+                still.append(i)
+        carried = still
+        if lo == hi or nodes[-1] != s:
+            raise InvalidSchedule("the stage does not compute its own node", s, s)
+        for pos, (k, u) in enumerate(zip(nodes, untils)):
+            for p in preds[k].tolist():
+                if live_until[p] < s:
+                    raise InvalidSchedule(f"input node {p} is not live", s, k)
+            if live_until[k] >= s:
+                raise InvalidSchedule("node is computed while a copy of it is still live", s, k)
+            hold(k)
+            live_until[k] = u
+            curve[lo + pos] = state["bytes"] + workspace[k]
+            for p in preds[k].tolist():
+                if live_until[p] == s and not resident[p] and last_use[p] == pos:
+                    release(p)
+                    live_until[p] = -1
+            if u == s and not resident[k] and last_use.get(k, -1) <= pos:
+                release(k)
+                live_until[k] = -1
+        stage_peak[s] = curve[lo:hi].max()
+        carried = [i for i in set(carried) | set(nodes) if live_until[i] > s]
+    cost = float(graph.cost[schedule.node].sum())
+    curve.setflags(write=False)
+    stage_peak.setflags(write=False)
+    return SimResult(
+        peak_bytes=int(curve.max()) if len(curve) else 0,
+        cost=cost,
+        baseline_cost=graph.total_cost,
+        curve=curve,
+        stage_peak=stage_peak,
+        recomputations=schedule.recomputations,
+    )
+
+
+def _check_events(graph: Graph, schedule: Schedule) -> None:
+    """Structural checks that need no memory accounting."""
+    n = graph.n
+    last = n - 1
+    node, stage, until = schedule.node, schedule.stage, schedule.until
+    if len(node) and (node.min() < 0 or node.max() >= n):
+        bad = int(np.nonzero((node < 0) | (node >= n))[0][0])
+        raise InvalidSchedule("node does not exist", int(stage[bad]), int(node[bad]))
+    if len(stage) and (stage.min() < 0 or stage.max() > last):
+        bad = int(np.nonzero((stage < 0) | (stage > last))[0][0])
+        raise InvalidSchedule("stage does not exist", int(stage[bad]), int(node[bad]))
+    for k in range(len(node)):
+        i, s, u = int(node[k]), int(stage[k]), int(until[k])
+        if s < i:
+            raise InvalidSchedule("node is computed before its own stage", s, i)
+        if not s <= u <= last:
+            raise InvalidSchedule(f"kept until stage {u}, outside [{s}, {last}]", s, i)
+        if (graph.pinned[i] or graph.output[i]) and s == i and u != last:
+            kind = "parameter/input" if graph.pinned[i] else "output"
+            raise InvalidSchedule(f"{kind} must stay live to the last stage", s, i)
+        if graph.pinned[i] and s != i:
+            raise InvalidSchedule("a parameter/input cannot be recomputed", s, i)
