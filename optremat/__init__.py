@@ -2,7 +2,7 @@
 
 from optremat.extract import ExtractionError, extract
 from optremat.graph import Graph, GraphError
-from optremat.schedule import InvalidSchedule, Schedule, SimResult, keep_all, recompute_all, simulate
+from optremat.schedule import InvalidSchedule, Schedule, SimResult, from_kept, keep_all, recompute_all, simulate
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "Schedule",
     "SimResult",
     "extract",
+    "from_kept",
     "keep_all",
     "recompute_all",
     "simulate",

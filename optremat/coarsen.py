@@ -50,19 +50,19 @@ class Coarsened:
 
     def expand(self, schedule: Schedule) -> Schedule:
         """The fine schedule that runs `schedule` (on the coarse graph) op by op."""
-        fine, bounds, escapes = self.fine, self.bounds, self.escapes
-        last_internal = np.arange(fine.n)
-        for src, dst in fine.edges.tolist():
-            if self.group[src] == self.group[dst]:
-                last_internal[src] = max(last_internal[src], dst)
+        fine, bounds, group, escapes = self.fine, self.bounds, self.group, self.escapes
+        resident = fine.pinned | fine.output
         events = []
         for g, t, u in schedule.events:
             for m in range(bounds[g], bounds[g + 1]):
                 stage = m if t == g else int(bounds[t])
-                if escapes[m]:
-                    until = int(bounds[u + 1]) - 1
+                if resident[m]:
+                    until = fine.n - 1
+                elif not escapes[m] or u == g:
+                    inside = [int(c) for c in fine.succs[m] if group[c] == g]
+                    until = max([stage] + inside) if t == g else stage
                 else:
-                    until = int(last_internal[m]) if t == g else stage
+                    until = max([int(bounds[u])] + [int(c) for c in fine.succs[m] if group[c] == u])
                 events.append((m, stage, until))
         return Schedule.from_events(events, fine.n)
 
@@ -133,11 +133,10 @@ def _fusion_target(graph: Graph, group: np.ndarray, v: int, preds: list[int]) ->
 
 
 def _joinable(graph: Graph, group: np.ndarray, v: int, preds: list[int], target: int) -> int | None:
-    """`target` if v may join it: same direction (only views join the resident group), acyclic."""
-    if graph.pinned[target]:
-        allowed = graph.alias_of[v] >= 0 and graph.size[v] == 0
-    else:
-        allowed = graph.backward[target] == graph.backward[v]
+    """`target` if v may join it: acyclic, and a view or an op of the same direction
+    (forward/backward); the resident group takes only views."""
+    view = graph.alias_of[v] >= 0 and graph.size[v] == 0
+    allowed = view or (not graph.pinned[target] and graph.backward[target] == graph.backward[v])
     if not allowed or any(group[p] != target and p >= target and not graph.pinned[p] for p in preds):
         return None
     return target

@@ -86,43 +86,47 @@ class Schedule:
 
 def keep_all(graph: Graph) -> Schedule:
     """The unplanned step: every node computed once, kept until its last consumer ran."""
-    last = _last_use(graph)
-    return Schedule.from_events(((i, i, int(last[i])) for i in range(graph.n)), graph.n)
+    return from_kept(graph, np.ones(graph.n, dtype=bool))
 
 
 def recompute_all(graph: Graph) -> Schedule:
     """Keep only params, inputs and outputs; every stage recomputes what it needs.
 
-    The most memory-frugal static schedule at the highest cost (quadratic in depth):
-    a reference point for tests and for the smallest-budget search.
+    The most memory-frugal schedule of its family at the highest cost (quadratic in
+    depth): a reference point for tests and for the smallest-budget search.
     """
-    end = graph.n - 1
-    events = []
-    for t in range(graph.n):
-        keep_t = end if graph.pinned[t] or graph.output[t] else t
-        events.extend((i, t, keep_t if i == t else t) for i in _unkept_ancestors(graph, t))
+    return from_kept(graph, np.zeros(graph.n, dtype=bool))
+
+
+def from_kept(graph: Graph, kept: np.ndarray) -> Schedule:
+    """The schedule that keeps the nodes in `kept` and recomputes the rest where needed.
+
+    Each node runs in its own stage; a kept node lives until its last consumer, any other
+    node only within a stage. Every stage first recomputes the unkept ancestors its node
+    needs (Checkmate's checkpoint-set schedule). Params, inputs and outputs are always kept.
+    """
+    kept = np.asarray(kept, dtype=bool) | graph.pinned | graph.output
+    runs = [_unkept_ancestors(graph, t, kept) for t in range(graph.n)]
+    last = np.arange(graph.n)
+    for t, nodes in enumerate(runs):
+        for k in nodes:
+            for p in graph.preds[k].tolist():
+                last[p] = max(last[p], t)
+    last[graph.pinned | graph.output] = graph.n - 1
+    events = [(i, t, int(last[i]) if kept[i] else t) for t, nodes in enumerate(runs) for i in nodes]
     return Schedule.from_events(events, graph.n)
 
 
-def _unkept_ancestors(graph: Graph, t: int) -> list[int]:
-    """`t` and every ancestor reachable through nodes that are not resident or kept."""
+def _unkept_ancestors(graph: Graph, t: int, kept: np.ndarray) -> list[int]:
+    """`t` and every ancestor reachable through nodes that are not kept."""
     seen = {t}
     stack = [t]
     while stack:
         for p in graph.preds[stack.pop()].tolist():
-            if p not in seen and not (graph.pinned[p] or graph.output[p]):
+            if p not in seen and not kept[p]:
                 seen.add(p)
                 stack.append(p)
     return sorted(seen)
-
-
-def _last_use(graph: Graph) -> np.ndarray:
-    """Stage through which each node must live in the unplanned step."""
-    last = np.arange(graph.n)
-    for src, dst in graph.edges.tolist():
-        last[src] = max(last[src], dst)
-    last[graph.pinned | graph.output] = graph.n - 1
-    return last
 
 
 @dataclass(frozen=True, eq=False)

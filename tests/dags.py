@@ -1,0 +1,34 @@
+"""Random training-like DAGs for property tests, built through the public Graph API."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from optremat import Graph
+
+
+@st.composite
+def graphs(draw: st.DrawFn, max_nodes: int = 12) -> Graph:
+    """A random DAG with params, outputs, plain aliases and multi-output parts."""
+    params = draw(st.integers(0, 2))
+    ops = draw(st.integers(1, max_nodes))
+    n = params + ops
+    edges: set[tuple[int, int]] = set()
+    alias_of = [-1] * n
+    size = [draw(st.integers(1, 64)) for _ in range(params)]
+    for v in range(params, n):
+        preds = draw(st.sets(st.integers(0, v - 1), max_size=3)) if v > 0 else set()
+        edges.update((p, v) for p in preds)
+        size.append(draw(st.integers(0, 64)))
+        candidates = sorted(p for p in preds if alias_of[p] < 0 and p >= params)
+        if candidates and draw(st.integers(0, 3)) == 0:
+            base = draw(st.sampled_from(candidates))
+            alias_of[v] = base
+            room = size[base] - sum(size[i] for i in range(params, v) if alias_of[i] == base)
+            part = draw(st.booleans()) and room > 0
+            size[v] = draw(st.integers(1, room)) if part else 0
+    cost = [0.0] * params + [float(draw(st.integers(1, 9))) for _ in range(ops)]
+    output = [False] * params + [draw(st.integers(0, 4)) == 0 for _ in range(ops)]
+    workspace = [0] * params + [draw(st.sampled_from([0, 0, 0, 8])) for _ in range(ops)]
+    return Graph.build(cost=cost, size=size, edges=edges, alias_of=alias_of, output=output,
+                       kind=["param"] * params + ["op"] * ops, workspace=workspace)

@@ -1,0 +1,123 @@
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from optremat import ExtractionError, extract, keep_all, simulate
+from optremat.models import BUILDERS, build
+from optremat.runtime.measure import measure_peak
+
+TINY = sorted(name for name in BUILDERS if name.endswith("-tiny"))
+
+
+@pytest.fixture(scope="module", params=TINY)
+def tiny(request):
+    example = build(request.param)
+    return request.param, example, extract(example.model, example.inputs, example.loss_fn)
+
+
+def test_graph_structure(tiny):
+    name, example, g = tiny
+    n_params = len(list(example.model.parameters())) + len(list(example.model.buffers()))
+    assert int((np.array(g.kind) == "param").sum()) == n_params
+    assert g.backward.any() and (~g.backward & ~g.pinned).any()
+    # the loss and one gradient per parameter survive to the end of the step
+    assert int(g.output.sum()) >= len(list(example.model.parameters())) + 1
+    # forward ops never read backward ops
+    src, dst = g.edges[:, 0], g.edges[:, 1]
+    assert not (g.backward[src] & ~g.backward[dst]).any()
+    assert (g.cost[~g.pinned & (g.alias_of < 0)] > 0).all()
+    fwd_modules = {g.module[i] for i in range(g.n) if not g.backward[i] and not g.pinned[i] and g.module[i]}
+    assert fwd_modules, f"{name}: no module paths recorded"
+    assert all(m in dict(example.model.named_modules()) for m in fwd_modules)
+
+
+def test_simulated_unplanned_peak_matches_measured(tiny):
+    """simulate() of the unplanned step predicts the real CPU peak within 10%."""
+    name, example, g = tiny
+    params = list(example.model.parameters())
+
+    def step():
+        return torch.autograd.grad(example.loss_fn(example.model(*example.inputs)), params)
+
+    step()
+    measured = measure_peak(step, resident=[params, list(example.model.buffers()), example.inputs]).peak_bytes
+    predicted = simulate(g, keep_all(g)).peak_bytes
+    assert abs(measured - predicted) <= 0.10 * predicted, (name, measured, predicted)
+
+
+def test_saved_tensors_only():
+    """A backward op reads the forward tensors autograd saves: relu's grad reads its output, not its input."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    g = extract(model, (torch.randn(4, 8),), lambda y: y.sum())
+    relu = g.ops.index("relu.default")
+    bwd = g.ops.index("threshold_backward.default")
+
+    def storage(i: int) -> int:
+        return storage(int(g.alias_of[i])) if g.alias_of[i] >= 0 else i
+
+    read = {storage(p) for p in g.preds[bwd].tolist()}
+    forward_read = {i for i in read if not g.backward[i]}
+    assert forward_read == {relu}
+
+
+def test_without_loss_the_output_gradient_is_an_input():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+    g = extract(model, torch.randn(4, 8))
+    inputs = [i for i in range(g.n) if g.kind[i] == "input"]
+    assert [g.tensor[i] for i in inputs] == ["float32[4, 8]", "float32[4, 16]"]
+    assert int(g.output.sum()) == 2 + 1  # two parameter gradients and the model output
+
+
+def test_multi_output_ops_are_parts():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    g = extract(model, (torch.randn(4, 8),), lambda y: y.sum())
+    ln = g.ops.index("native_layer_norm.default")
+    parts = [i for i in range(g.n) if g.alias_of[i] == ln]
+    assert g.is_part[parts].all()
+    assert sum(g.size[parts]) == g.size[ln]
+
+
+class ChecksValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        if (y > 100).any():
+            raise ValueError("too large")
+        return y
+
+
+def test_untraceable_models_get_a_clear_error():
+    with pytest.raises(ExtractionError) as info:
+        extract(ChecksValues(), torch.randn(2, 4), lambda y: y.sum())
+    message = str(info.value)
+    assert "aten._local_scalar_dense" in message or "data-dependent" in message
+    assert "ChecksValues.forward" in message and "Hint:" in message
+    assert "\n" not in message
+
+
+def test_model_without_trainable_parameters():
+    model = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ExtractionError, match="no parameter that requires grad"):
+        extract(model, torch.randn(1, 2))
+
+
+def test_profiled_costs_are_measured_times():
+    example = build("mlp-tiny")
+    g = extract(example.model, example.inputs, example.loss_fn, cost_model="profile")
+    ops = ~g.pinned & (g.alias_of < 0)
+    assert (g.cost[ops] > 0).all() and (g.cost[ops] < 1.0).all()
+
+
+def test_gpt_small_extracts_fast_on_fake_tensors():
+    example = build("gpt-small")
+    start = time.perf_counter()
+    g = extract(example.model, example.inputs, example.loss_fn)
+    assert time.perf_counter() - start < 30
+    assert g.n > 1000
+    assert simulate(g, keep_all(g)).peak_bytes > 4 * 2**30

@@ -1,0 +1,124 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from optremat import Graph, InvalidSchedule, Schedule, from_kept, keep_all, recompute_all, simulate
+from tests.dags import graphs
+
+
+def brute_force_peak(g: Graph, schedule: Schedule) -> int:
+    """Live bytes at every op from first principles: list each event's live interval over
+    the flat op sequence, then count storages (a root's bytes if the root is live, else
+    the bytes of its live parts)."""
+    ops = schedule.events
+    position = {(i, s): p for p, (i, s, _) in enumerate(ops)}
+    stage_start = {}
+    for p, (_, s, _) in enumerate(ops):
+        stage_start.setdefault(s, p)
+    intervals = []
+    for p, (i, s, u) in enumerate(ops):
+        if g.pinned[i] or g.output[i]:
+            intervals.append((i, p, len(ops)))
+            continue
+        readers = [q for q, (k, s2, _) in enumerate(ops) if s2 == u and q >= p and i in g.preds[k].tolist()]
+        end = max(readers) if readers else (p if u == s else stage_start[u] - 1)
+        intervals.append((i, p, end))
+    root = lambda i: root(int(g.alias_of[i])) if g.alias_of[i] >= 0 and g.size[i] == 0 else i  # noqa: E731
+    peak = 0
+    for p in range(len(ops)):
+        live = {root(i) for i, a, b in intervals if a <= p <= b}
+        bases = {int(g.alias_of[x]) if g.is_part[x] else x for x in live}
+        total = 0
+        for b in bases:
+            if b in live:
+                total += int(g.size[b])
+            else:
+                total += sum(int(g.size[x]) for x in live if g.is_part[x] and g.alias_of[x] == b)
+        peak = max(peak, total + int(g.workspace[ops[p][0]]))
+    return peak
+
+
+def test_hand_counted_chain_with_param():
+    # param(10) -> a(5) -> b(5) -> c(5); d(5) reads a, c and the param; e(1) is the loss
+    g = Graph.build(cost=[0, 1, 1, 1, 1, 1], size=[10, 5, 5, 5, 5, 1],
+                    edges=[(0, 1), (1, 2), (2, 3), (1, 4), (3, 4), (0, 4), (4, 5)],
+                    kind=["param"] + ["op"] * 5, output=[False] * 5 + [True])
+    res = simulate(g, keep_all(g))
+    assert res.curve.tolist() == [10, 15, 20, 25, 25, 16]
+    assert res.peak_bytes == 25 and res.cost == 5.0 and res.overhead == 0.0
+    frugal = simulate(g, recompute_all(g))
+    assert frugal.cost == 15.0 and frugal.overhead == pytest.approx(2.0)
+    assert frugal.recomputations == 10
+
+
+def test_checkpoint_all_costs_one_pass_and_peak_is_sum_on_chain():
+    n = 6
+    g = Graph.build(cost=[1.0] * n, size=[7] * n, edges=[(i, i + 1) for i in range(n - 1)])
+    res = simulate(g, keep_all(g))
+    assert res.cost == n and res.peak_bytes == 14
+
+
+def test_workspace_counts_while_the_op_runs():
+    g = Graph.build(cost=[1, 1], size=[4, 4], edges=[(0, 1)], workspace=[0, 100])
+    assert simulate(g, keep_all(g)).curve.tolist() == [4, 108]
+
+
+@settings(max_examples=150, deadline=None)
+@given(graphs(), st.data())
+def test_simulate_agrees_with_brute_force(g, data):
+    kept = data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n))
+    for schedule in (keep_all(g), recompute_all(g), from_kept(g, np.array(kept))):
+        res = simulate(g, schedule)
+        assert res.peak_bytes == brute_force_peak(g, schedule)
+        assert res.cost >= g.total_cost - 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(graphs(), st.data())
+def test_keeping_more_never_costs_more_compute(g, data):
+    kept = np.array(data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n)))
+    assert simulate(g, keep_all(g)).cost <= simulate(g, from_kept(g, kept)).cost
+    assert simulate(g, from_kept(g, kept)).cost <= simulate(g, recompute_all(g)).cost
+
+
+@settings(max_examples=150, deadline=None)
+@given(graphs(), st.data())
+def test_schedules_missing_a_needed_computation_are_rejected(g, data):
+    schedule = recompute_all(g)
+    events = schedule.events
+    victim = data.draw(st.sampled_from([e for e in events if g.succs[e[0]].size and e[1] == e[2]] or [None]))
+    if victim is None:
+        return
+    broken = Schedule.from_events([e for e in events if e != victim], g.n)
+    readers_in_stage = [k for k, s, _ in events if s == victim[1] and victim[0] in g.preds[k].tolist()]
+    if not readers_in_stage and victim[0] != victim[1]:
+        return
+    with pytest.raises(InvalidSchedule) as info:
+        simulate(g, broken)
+    assert info.value.stage == victim[1]
+
+
+def chain3() -> Graph:
+    return Graph.build(cost=[0, 1, 1], size=[4, 4, 4], edges=[(0, 1), (1, 2)], kind=["param", "op", "op"],
+                       output=[False, False, True])
+
+
+@pytest.mark.parametrize("events, message", [
+    ([(0, 0, 2), (1, 1, 1), (2, 2, 2)], "input node 1 is not live"),
+    ([(0, 0, 2), (1, 1, 2)], "does not compute its own node"),
+    ([(0, 0, 1), (1, 1, 2), (2, 2, 2)], "must stay live"),
+    ([(0, 0, 2), (1, 1, 2), (1, 2, 2), (2, 2, 2)], "still live"),
+    ([(0, 0, 2), (1, 0, 2), (1, 1, 2), (2, 2, 2)], "before its own stage"),
+    ([(0, 0, 2), (1, 1, 5), (2, 2, 2)], "outside"),
+    ([(0, 0, 2), (0, 1, 2), (1, 1, 2), (2, 2, 2)], "cannot be recomputed|still live"),
+])
+def test_invalid_schedules_name_stage_and_node(events, message):
+    with pytest.raises(InvalidSchedule, match=message):
+        simulate(chain3(), Schedule.from_events(events, 3))
+
+
+def test_schedule_json_round_trip():
+    g = chain3()
+    s = recompute_all(g)
+    assert Schedule.from_json(s.to_json()).events == s.events
