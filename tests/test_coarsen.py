@@ -11,9 +11,6 @@ from tests.dags import graphs
 
 @pytest.fixture(scope="module", params=["gpt-tiny", "resnet-tiny", "unet-tiny", "rnn-tiny"])
 def model_graph(request):
-    if request.param == "rnn-tiny" and request.function.__name__ == "test_unplanned_peak_is_kept_within_a_quarter":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known gap: groups around the LSTM's "
-                                              "in-place add_ undercount its storage by about 11%"))
     example = build(request.param)
     return extract(example.model, example.inputs, example.loss_fn)
 
@@ -40,8 +37,11 @@ def test_views_fold_into_their_producer(model_graph):
             assert c.group[i] == c.group[fine.alias_of[i]]
 
 
-def test_unplanned_peak_is_kept_within_a_quarter(model_graph):
+def test_unplanned_peak_is_kept_within_a_quarter(model_graph, request):
     """Coarsening may hold a group's outputs together, never lose bytes."""
+    if "rnn-tiny" in request.node.name:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known gap: groups around the LSTM's "
+                                              "in-place add_ undercount its storage by about 11%"))
     c = coarsen(model_graph)
     fine_peak = simulate(model_graph, keep_all(model_graph)).peak_bytes
     coarse_peak = simulate(c.coarse, keep_all(c.coarse)).peak_bytes
