@@ -19,7 +19,7 @@ from optremat import extract, keep_all, simulate
 from optremat.coarsen import coarsen
 from optremat.graph import format_bytes
 from optremat.models import BUILDERS, build
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_step
 
 OUT = Path(__file__).with_name("fidelity.md")
 
@@ -29,13 +29,7 @@ def row(name: str) -> list[str]:
     start = time.perf_counter()
     graph = extract(example.model, example.inputs, example.loss_fn)
     seconds = time.perf_counter() - start
-    params = list(example.model.parameters())
-
-    def step():
-        return torch.autograd.grad(example.loss_fn(example.model(*example.inputs)), params)
-
-    step()
-    measured = measure_peak(step, resident=[params, list(example.model.buffers()), example.inputs]).peak_bytes
+    measured = measure_step(example.model, example.inputs, example.loss_fn).peak_bytes
     predicted = simulate(graph, keep_all(graph)).peak_bytes
     fused, by_module = coarsen(graph).coarse.n, coarsen(graph, by_module=True).coarse.n
     return [name, f"{seconds:.1f}", str(graph.n), str(fused), str(by_module), format_bytes(predicted),

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from optremat import ExtractionError, extract, keep_all, simulate
 from optremat.models import BUILDERS, build
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_step
 
 TINY = sorted(name for name in BUILDERS if name.endswith("-tiny"))
 
@@ -37,13 +37,7 @@ def test_graph_structure(tiny):
 def test_simulated_unplanned_peak_matches_measured(tiny):
     """simulate() of the unplanned step predicts the real CPU peak within 10%."""
     name, example, g = tiny
-    params = list(example.model.parameters())
-
-    def step():
-        return torch.autograd.grad(example.loss_fn(example.model(*example.inputs)), params)
-
-    step()
-    measured = measure_peak(step, resident=[params, list(example.model.buffers()), example.inputs]).peak_bytes
+    measured = measure_step(example.model, example.inputs, example.loss_fn).peak_bytes
     predicted = simulate(g, keep_all(g)).peak_bytes
     assert abs(measured - predicted) <= 0.10 * predicted, (name, measured, predicted)
 

@@ -63,3 +63,19 @@ def measure_peak(step: Callable[[], Any], resident: Iterable[Any] = (), device: 
         live += delta
         peak = max(peak, live)
     return PeakMemory(before, peak)
+
+
+def measure_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor],
+                 device: str = "cpu") -> PeakMemory:
+    """Peak memory of one eager forward+backward of `loss_fn(model(*inputs))`, after a warm-up.
+
+    Parameters, buffers and inputs count as resident; gradients are returned, not
+    accumulated, so repeated calls measure the same step.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(loss_fn(model(*inputs)), params)
+
+    step()
+    return measure_peak(step, resident=[list(model.parameters()), list(model.buffers()), inputs], device=device)
