@@ -37,7 +37,6 @@ class Traced:
 
     module: torch.fx.GraphModule
     graph: Graph
-    fx_nodes: tuple[str, ...]
 
 
 _MARK = "optremat"
@@ -101,8 +100,7 @@ def trace(
                          + ["input"] * len(tree_leaves(inputs)) + ["input"] * len(grad_outputs))
     param_names = list(params) + list(buffers)
     costs = _costs(gm, args, cost_model, device_profile(device))
-    graph, names = _to_graph(gm, placeholder_kinds, param_names, costs)
-    return Traced(gm, graph, names)
+    return Traced(gm, _to_graph(gm, placeholder_kinds, param_names, costs))
 
 
 def _grad_leaves(out: Any) -> list[torch.Tensor]:
@@ -204,7 +202,7 @@ def _tensor_type(value: Any) -> str:
 
 
 def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_names: list[str],
-              costs: dict[str, float]) -> tuple[Graph, tuple[str, ...]]:
+              costs: dict[str, float]) -> Graph:
     fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
     # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
     fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
@@ -257,8 +255,7 @@ def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_name
     for node in output_node.all_input_nodes:
         output[index[node]] = True
     _backward_paths(cols, edges)
-    graph = Graph.build(edges=edges, output=output, **cols)
-    return graph, tuple(cols["names"])
+    return Graph.build(edges=edges, output=output, **cols)
 
 
 def _root(alias_of: list[int], i: int) -> int:

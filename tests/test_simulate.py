@@ -12,7 +12,6 @@ def brute_force_peak(g: Graph, schedule: Schedule) -> int:
     the flat op sequence, then count storages (a root's bytes if the root is live, else
     the bytes of its live parts)."""
     ops = schedule.events
-    position = {(i, s): p for p, (i, s, _) in enumerate(ops)}
     stage_start = {}
     for p, (_, s, _) in enumerate(ops):
         stage_start.setdefault(s, p)
