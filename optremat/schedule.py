@@ -12,9 +12,10 @@ which is the moment a peak can occur; right after, every tensor whose last use i
 stage this was, and which is not kept into the next stage, is freed. A tensor kept into a
 stage it is not used in is freed at the start of that stage. Nodes hold storage units
 (`Graph.units`): an alias holds its base's, one output of a multi-output op holds its
-own part; a unit counts once however many live nodes hold it. Parameters and inputs are
-resident from the start; outputs (loss, gradients) are never freed: they are the step's
-result.
+own part. Each computation of a node that owns storage allocates fresh units; a unit
+counts once however many live nodes hold it, so a base recomputed while an alias still
+holds its old storage costs twice. Parameters and inputs are resident from the start;
+outputs (loss, gradients) are never freed: they are the step's result.
 """
 
 from __future__ import annotations
@@ -160,22 +161,34 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
     preds = graph.preds
     units = graph.units
     unit_size = graph.unit_size.tolist()
+    alias_of = graph.alias_of.tolist()
+    is_part = graph.is_part.tolist()
     workspace = graph.workspace.tolist()
     resident = graph.pinned | graph.output
-    holders = [0] * n
+    storage: list[dict[int, int]] = [{} for _ in range(n)]
+    holders: list[int] = []
     live_until = np.full(n, -1, dtype=np.int64)
     state = {"bytes": 0}
 
     def hold(i: int) -> None:
-        for unit in units[i]:
-            holders[unit] += 1
-            if holders[unit] == 1:
+        if is_part[i]:
+            storage[i] = {i: storage[alias_of[i]][i]}
+        elif alias_of[i] >= 0:
+            storage[i] = storage[alias_of[i]]
+        else:
+            storage[i] = {}
+            for unit in units[i]:
+                storage[i][unit] = len(holders)
+                holders.append(0)
+        for unit, instance in storage[i].items():
+            holders[instance] += 1
+            if holders[instance] == 1:
                 state["bytes"] += unit_size[unit]
 
     def release(i: int) -> None:
-        for unit in units[i]:
-            holders[unit] -= 1
-            if holders[unit] == 0:
+        for unit, instance in storage[i].items():
+            holders[instance] -= 1
+            if holders[instance] == 0:
                 state["bytes"] -= unit_size[unit]
 
     curve = np.zeros(len(schedule.node), dtype=np.int64)

@@ -9,8 +9,8 @@ from tests.dags import graphs
 
 def brute_force_peak(g: Graph, schedule: Schedule) -> int:
     """Live bytes at every op from first principles: list each event's live interval over
-    the flat op sequence, then count storages (a root's bytes if the root is live, else
-    the bytes of its live parts)."""
+    the flat op sequence, trace every alias or part back to the computation that
+    allocated its storage, and count each (allocation, unit) pair held by a live event once."""
     ops = schedule.events
     stage_start = {}
     for p, (_, s, _) in enumerate(ops):
@@ -18,22 +18,24 @@ def brute_force_peak(g: Graph, schedule: Schedule) -> int:
     intervals = []
     for p, (i, s, u) in enumerate(ops):
         if g.pinned[i] or g.output[i]:
-            intervals.append((i, p, len(ops)))
+            intervals.append((p, len(ops)))
             continue
         readers = [q for q, (k, s2, _) in enumerate(ops) if s2 == u and q >= p and i in g.preds[k].tolist()]
         end = max(readers) if readers else (p if u == s else stage_start[u] - 1)
-        intervals.append((i, p, end))
-    root = lambda i: root(int(g.alias_of[i])) if g.alias_of[i] >= 0 and g.size[i] == 0 else i  # noqa: E731
+        intervals.append((p, end))
+
+    def allocation(q: int) -> int:
+        i = ops[q][0]
+        if g.alias_of[i] < 0:
+            return q
+        base = int(g.alias_of[i])
+        return allocation(max(r for r in range(q) if ops[r][0] == base and intervals[r][1] >= q))
+
     peak = 0
     for p in range(len(ops)):
-        live = {root(i) for i, a, b in intervals if a <= p <= b}
-        bases = {int(g.alias_of[x]) if g.is_part[x] else x for x in live}
-        total = 0
-        for b in bases:
-            if b in live:
-                total += int(g.size[b])
-            else:
-                total += sum(int(g.size[x]) for x in live if g.is_part[x] and g.alias_of[x] == b)
+        held = {(allocation(q), unit) for q, (a, b) in enumerate(intervals) if a <= p <= b
+                for unit in g.units[ops[q][0]]}
+        total = sum(int(g.unit_size[unit]) for _, unit in held)
         peak = max(peak, total + int(g.workspace[ops[p][0]]))
     return peak
 
@@ -121,3 +123,14 @@ def test_schedule_json_round_trip():
     g = chain3()
     s = recompute_all(g)
     assert Schedule.from_json(s.to_json()).events == s.events
+
+
+def test_recomputing_a_base_while_an_alias_holds_its_old_storage_costs_twice():
+    # x(10) -> v = view(x); a(1) reads v; b(1) reads x; c(1) reads v and b (the output)
+    g = Graph.build(cost=[1.0] * 5, size=[10, 0, 1, 1, 1],
+                    edges=[(0, 1), (1, 2), (0, 3), (1, 4), (3, 4)], alias_of=[-1, 0, -1, -1, -1],
+                    output=[False] * 4 + [True])
+    sched = Schedule.from_events([(0, 0, 1), (1, 1, 4), (2, 2, 2), (0, 3, 3), (3, 3, 4), (4, 4, 4)], 5)
+    res = simulate(g, sched)
+    assert res.curve.tolist() == [10, 10, 11, 20, 21, 12]
+    assert res.peak_bytes == brute_force_peak(g, sched) == 21
