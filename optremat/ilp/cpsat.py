@@ -1,0 +1,322 @@
+"""CP-SAT interval model after Moccasin (Bartan et al., ICML 2023).
+
+Each node may be computed up to `copies` times: copy 0 in its own stage, later copies in
+later stages. A computation in stage s of node v happens at time s·n + v (stages run
+their nodes in index order, as the simulator does); its output lives from then until
+its last use, a variable end. Every read picks a copy of the input that is live at the
+reader's time. Memory is one cumulative constraint over the storage intervals, so the
+model has O(n·copies) intervals instead of Checkmate's O(n²) variables.
+
+Storage is modelled exactly as `simulate` counts it: a view keeps its base's storage
+alive (the base copy's storage ends no earlier than any alias read from it), and each
+output of a multi-output op holds its own bytes from the op's computation until the
+op and every reader-held alias of that part have died.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from optremat.budget import InfeasibleBudget
+from optremat.graph import Graph
+from optremat.schedule import Schedule, simulate
+from optremat.solution import FEASIBLE, OPTIMAL, Solution
+
+Progress = Callable[[float, float, float], None]
+"""Called with (elapsed seconds, incumbent cost, proven lower bound) as a solve improves."""
+
+
+def cost_scale(graph: Graph) -> float:
+    """Factor that turns node costs into the integers CP-SAT needs: exact for integer
+    costs, otherwise a resolution of a millionth of the costliest node."""
+    cost = graph.cost
+    if np.all(cost == np.round(cost)) and cost.max(initial=0) <= 1e9:
+        return 1.0
+    return 1e6 / max(float(cost.max(initial=0)), 1e-30)
+
+
+@dataclass
+class _Copy:
+    present: cp_model.IntVar | bool
+    stage: cp_model.IntVar | int
+    start: cp_model.LinearExpr | int
+    end: cp_model.IntVar
+    storage_end: cp_model.IntVar | None = None
+    part_end: dict[int, cp_model.IntVar] = field(default_factory=dict)
+
+
+class _IntervalModel:
+    """The CP-SAT model of one graph; memory capacity is a constant or a variable."""
+
+    def __init__(self, graph: Graph, copies: int, capacity: int | None) -> None:
+        self.graph = graph
+        n = graph.n
+        self.horizon = n * n
+        self.model = cp_model.CpModel()
+        self.scale = cost_scale(graph)
+        self.copies: list[list[_Copy]] = [[] for _ in range(n)]
+        self.uses: dict[tuple[int, int, int, int], cp_model.IntVar] = {}
+        self._add_copies(copies)
+        self._add_reads()
+        self._add_storage()
+        resident = graph.pinned_bytes
+        if capacity is None:
+            self.capacity = self.model.new_int_var(0, int(graph.size.sum() + graph.workspace.max(initial=0)), "capacity")
+        else:
+            self.capacity = capacity - resident
+        self._add_memory()
+        self.extra_cost = sum(round(float(graph.cost[v]) * self.scale) * c.present
+                              for v in range(n) for c in self.copies[v][1:])
+
+    def _add_copies(self, copies: int) -> None:
+        g, m, n, H = self.graph, self.model, self.graph.n, self.horizon
+        last_reader = [max(g.succs[v].tolist(), default=v) for v in range(n)]
+        for v in range(n):
+            if g.pinned[v]:
+                continue
+            own = v * n + v
+            if g.output[v]:
+                self.copies[v].append(_Copy(True, v, own, m.new_constant(H - 1)))
+                continue
+            latest = (n - 1) * n + last_reader[v] if len(g.succs[v]) else own
+            self.copies[v].append(_Copy(True, v, own, m.new_int_var(own, latest, f"e{v}_0")))
+            extra = min(copies, n - v) - 1 if len(g.succs[v]) else 0
+            for c in range(1, extra + 1):
+                present = m.new_bool_var(f"p{v}_{c}")
+                stage = m.new_int_var(v + 1, n - 1, f"s{v}_{c}")
+                end = m.new_int_var((v + 1) * n + v, latest, f"e{v}_{c}")
+                start = stage * n + v
+                prev = self.copies[v][-1]
+                m.add(end >= start)
+                if c > 1:
+                    m.add_implication(present, prev.present)
+                    m.add(stage >= prev.stage + 1).only_enforce_if(present)
+                m.add(start >= prev.end + 1).only_enforce_if(present)
+                m.add(stage == v + 1).only_enforce_if(~present)
+                m.add(end == start).only_enforce_if(~present)
+                self.copies[v].append(_Copy(present, stage, start, end))
+
+    def _add_reads(self) -> None:
+        g, m = self.graph, self.model
+        for u, w in g.edges.tolist():
+            if g.pinned[u]:
+                continue
+            for d, reader in enumerate(self.copies[w]):
+                choices = []
+                for c, source in enumerate(self.copies[u]):
+                    y = m.new_bool_var(f"y{u}_{c}_{w}_{d}")
+                    if source.present is not True:
+                        m.add_implication(y, source.present)
+                    m.add(source.stage <= reader.stage).only_enforce_if(y)
+                    m.add(source.end >= reader.start).only_enforce_if(y)
+                    self.uses[u, c, w, d] = y
+                    choices.append(y)
+                if reader.present is True:
+                    m.add_bool_or(choices)
+                else:
+                    m.add_bool_or(choices + [~reader.present])
+
+    def _add_storage(self) -> None:
+        """Storage ends: a copy's storage outlives every alias read from it (index order
+        from the back, so an alias's storage end exists before its base's)."""
+        g, m = self.graph, self.model
+        plain_alias = (g.alias_of >= 0) & ~g.is_part
+        children: list[list[int]] = [[] for _ in range(g.n)]
+        for a in np.nonzero(g.alias_of >= 0)[0].tolist():
+            children[int(g.alias_of[a])].append(a)
+        for x in range(g.n - 1, -1, -1):
+            for c, copy in enumerate(self.copies[x]):
+                aliases = [a for a in children[x] if plain_alias[a]]
+                if aliases:
+                    copy.storage_end = m.new_int_var(0, self.horizon - 1, f"x{x}_{c}")
+                    m.add(copy.storage_end >= copy.end)
+                    self._outlive(copy.storage_end, x, c, aliases)
+                else:
+                    copy.storage_end = copy.end
+                for p in children[x]:
+                    if not plain_alias[p]:
+                        end = m.new_int_var(0, self.horizon - 1, f"q{p}_{c}")
+                        m.add(end >= copy.storage_end)
+                        self._outlive(end, x, c, [p])
+                        copy.part_end[p] = end
+
+    def _outlive(self, end: cp_model.IntVar, x: int, c: int, holders: list[int]) -> None:
+        for a in holders:
+            for d, alias in enumerate(self.copies[a]):
+                self.model.add(end >= alias.storage_end).only_enforce_if(self.uses[x, c, a, d])
+
+    def _add_memory(self) -> None:
+        g, m = self.graph, self.model
+        intervals, demands = [], []
+
+        def interval(copy: _Copy, end: cp_model.LinearExpr, name: str) -> cp_model.IntervalVar:
+            size = m.new_int_var(1, self.horizon, f"len_{name}")
+            if copy.present is True:
+                return m.new_interval_var(copy.start, size, end + 1, name)
+            return m.new_optional_interval_var(copy.start, size, end + 1, copy.present, name)
+
+        for v in range(g.n):
+            for c, copy in enumerate(self.copies[v]):
+                if g.alias_of[v] < 0 and g.unit_size[v] > 0:
+                    intervals.append(interval(copy, copy.storage_end, f"mem{v}_{c}"))
+                    demands.append(int(g.unit_size[v]))
+                for p, end in copy.part_end.items():
+                    intervals.append(interval(copy, end, f"part{p}_{c}"))
+                    demands.append(int(g.size[p]))
+                if g.workspace[v] > 0:
+                    present = True if copy.present is True else copy.present
+                    if present is True:
+                        intervals.append(m.new_fixed_size_interval_var(copy.start, 1, f"ws{v}_{c}"))
+                    else:
+                        intervals.append(m.new_optional_fixed_size_interval_var(copy.start, 1, present, f"ws{v}_{c}"))
+                    demands.append(int(g.workspace[v]))
+        m.add_cumulative(intervals, demands, self.capacity)
+
+    def hint(self, schedule: Schedule) -> None:
+        """Hint every variable from `schedule` (node copies beyond the model's are dropped)."""
+        g, m, n, H = self.graph, self.model, self.graph.n, self.horizon
+        by_node: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        for i, s, u in schedule.events:
+            by_node[i].append((s, u))
+        ends: dict[tuple[int, int], int] = {}
+        serving: dict[tuple[int, int, int], int] = {}
+        for v in range(n):
+            for d, (s, _) in enumerate(by_node[v][:len(self.copies[v])]):
+                for u in g.preds[v].tolist():
+                    if g.pinned[u]:
+                        continue
+                    c = next((c for c, (su, uu) in enumerate(by_node[u][:len(self.copies[u])])
+                              if su <= s <= uu), None)
+                    if c is None:
+                        continue
+                    serving[u, c, v, d] = 1
+                    ends[u, c] = max(ends.get((u, c), 0), s * n + v)
+        storage: dict[tuple[int, int], int] = {}
+        for v in range(n - 1, -1, -1):
+            for c, copy in enumerate(self.copies[v]):
+                present = c < len(by_node[v])
+                stage = by_node[v][c][0] if present else v + 1
+                start = stage * n + v
+                end = H - 1 if g.output[v] else max(ends.get((v, c), start), start) if present else start
+                if present and c > 0:
+                    m.add_hint(copy.present, True)
+                elif c > 0:
+                    m.add_hint(copy.present, False)
+                if not isinstance(copy.stage, int):
+                    m.add_hint(copy.stage, stage)
+                m.add_hint(copy.end, end)
+                alias_ends = [storage[a, d] for (x, cc, a, d) in serving if x == v and cc == c
+                              and (a, d) in storage and not g.is_part[a] and g.alias_of[a] == v]
+                storage[v, c] = max([end] + alias_ends)
+                if copy.storage_end is not copy.end:
+                    m.add_hint(copy.storage_end, storage[v, c])
+                for p, var in copy.part_end.items():
+                    part_ends = [storage[p, d] for (x, cc, a, d) in serving if x == v and cc == c and a == p]
+                    m.add_hint(var, max([storage[v, c]] + part_ends))
+        for key, y in self.uses.items():
+            m.add_hint(y, bool(serving.get(key)))
+
+    def schedule(self, solver: cp_model.CpSolver) -> Schedule:
+        """The solution as a schedule; each copy lives until the last read it serves."""
+        g, n = self.graph, self.graph.n
+        last_read: dict[tuple[int, int], int] = {}
+        for (u, c, w, d), y in self.uses.items():
+            reader = self.copies[w][d]
+            if solver.boolean_value(y) and (reader.present is True or solver.boolean_value(reader.present)):
+                last_read[u, c] = max(last_read.get((u, c), 0), int(solver.value(reader.stage)))
+        events = [(i, i, n - 1) for i in np.nonzero(g.pinned)[0].tolist()]
+        for v in range(n):
+            for c, copy in enumerate(self.copies[v]):
+                if copy.present is True or solver.boolean_value(copy.present):
+                    stage = int(solver.value(copy.stage))
+                    until = n - 1 if g.output[v] else max(stage, last_read.get((v, c), stage))
+                    events.append((v, stage, until))
+        return Schedule.from_events(events, n)
+
+
+def _parameters(solver: cp_model.CpSolver, time_limit: float, workers: int, seed: int, deterministic: bool) -> None:
+    params = solver.parameters
+    params.num_workers = workers or os.cpu_count() or 1
+    params.random_seed = seed
+    if deterministic:
+        params.interleave_search = True
+        params.max_deterministic_time = time_limit
+    else:
+        params.max_time_in_seconds = time_limit
+
+
+class _Reporter(cp_model.CpSolverSolutionCallback):
+    def __init__(self, progress: Progress, base: float, scale: float) -> None:
+        super().__init__()
+        self.progress, self.base, self.scale = progress, base, scale
+        self.started = time.perf_counter()
+
+    def on_solution_callback(self) -> None:
+        self.progress(time.perf_counter() - self.started, self.base + self.objective_value / self.scale,
+                      self.base + self.best_objective_bound / self.scale)
+
+
+def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Schedule | None = None,
+                copies: int = 2, workers: int = 0, seed: int = 0, deterministic: bool = False,
+                progress: Progress | None = None) -> Solution:
+    """The least-cost schedule whose simulated peak is at most `budget` bytes.
+
+    Raises InfeasibleBudget when the model proves no schedule fits (with the smallest
+    feasible budget, found by `min_peak_cpsat`), or TimeoutError when the time limit
+    passes with no plan found and no proof either way.
+    """
+    started = time.perf_counter()
+    model = _IntervalModel(graph, copies, budget)
+    if model.capacity < 0:
+        raise InfeasibleBudget(budget, graph.pinned_bytes, "cpsat", proven=True)
+    model.model.minimize(model.extra_cost)
+    if hint is not None:
+        model.hint(hint)
+    solver = cp_model.CpSolver()
+    _parameters(solver, time_limit, workers, seed, deterministic)
+    reporter = _Reporter(progress, graph.total_cost, model.scale) if progress else None
+    status = solver.solve(model.model, reporter)
+    if status == cp_model.INFEASIBLE:
+        smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies, workers=workers, seed=seed,
+                                  deterministic=deterministic)
+        raise InfeasibleBudget(budget, simulate(graph, smallest.schedule).peak_bytes, "cpsat",
+                               proven=smallest.status == OPTIMAL)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise TimeoutError(f"cpsat found no plan within {time_limit:g} s and proved none impossible "
+                           f"({solver.status_name(status)}); allow more time or a larger budget")
+    schedule = model.schedule(solver)
+    bound = graph.total_cost + solver.best_objective_bound / model.scale
+    return Solution(schedule=schedule, solver="cpsat", status=OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE,
+                    cost=simulate(graph, schedule).cost, lower_bound=bound,
+                    seconds=time.perf_counter() - started, copies=copies)
+
+
+def min_peak_cpsat(graph: Graph, *, max_overhead: float | None = None, time_limit: float = 30.0,
+                   copies: int = 2, workers: int = 0, seed: int = 0, deterministic: bool = False,
+                   hint: Schedule | None = None) -> Solution:
+    """The schedule with the least peak memory whose overhead is at most `max_overhead`
+    (unbounded when None). `lower_bound` is then a proven bound on the peak in bytes."""
+    started = time.perf_counter()
+    model = _IntervalModel(graph, copies, None)
+    if max_overhead is not None:
+        model.model.add(model.extra_cost <= int(max_overhead * graph.total_cost * model.scale))
+    model.model.minimize(model.capacity)
+    if hint is not None:
+        model.hint(hint)
+    solver = cp_model.CpSolver()
+    _parameters(solver, time_limit, workers, seed, deterministic)
+    status = solver.solve(model.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise TimeoutError(f"cpsat found no plan within {time_limit:g} s ({solver.status_name(status)})")
+    schedule = model.schedule(solver)
+    return Solution(schedule=schedule, solver="cpsat-min-peak",
+                    status=OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE,
+                    cost=simulate(graph, schedule).cost,
+                    lower_bound=graph.pinned_bytes + solver.best_objective_bound,
+                    seconds=time.perf_counter() - started, copies=copies)
