@@ -118,6 +118,25 @@ def from_kept(graph: Graph, kept: np.ndarray) -> Schedule:
     return Schedule.from_events(events, graph.n)
 
 
+def from_computations(graph: Graph, computations: Iterable[tuple[int, int]]) -> Schedule:
+    """The schedule that computes node i in stage s for each (i, s) given, every node also
+    in its own stage, keeping each computed tensor only until the last read it serves
+    (the latest computation of a node at or before a read serves it)."""
+    n = graph.n
+    stages: list[set[int]] = [{i} for i in range(n)]
+    for i, s in computations:
+        stages[int(i)].add(int(s))
+    copies = [sorted(s) for s in stages]
+    until = {(i, s): s for i in range(n) for s in copies[i]}
+    for k in range(n):
+        for s in copies[k]:
+            for p in graph.preds[k].tolist():
+                serving = max(c for c in copies[p] if c <= s)
+                until[p, serving] = max(until[p, serving], s)
+    resident = graph.pinned | graph.output
+    return Schedule.from_events([(i, s, n - 1 if resident[i] else u) for (i, s), u in until.items()], n)
+
+
 def _unkept_ancestors(graph: Graph, t: int, kept: np.ndarray) -> list[int]:
     """`t` and every ancestor reachable through nodes that are not kept."""
     seen = {t}

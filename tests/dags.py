@@ -8,8 +8,9 @@ from optremat import Graph
 
 
 @st.composite
-def graphs(draw: st.DrawFn, max_nodes: int = 12) -> Graph:
-    """A random DAG with params, outputs, plain aliases and multi-output parts."""
+def graphs(draw: st.DrawFn, max_nodes: int = 12, shared_storage: bool = True) -> Graph:
+    """A random DAG with params, outputs and, with `shared_storage`, plain aliases and
+    multi-output parts."""
     params = draw(st.integers(0, 2))
     ops = draw(st.integers(1, max_nodes))
     n = params + ops
@@ -21,7 +22,7 @@ def graphs(draw: st.DrawFn, max_nodes: int = 12) -> Graph:
         edges.update((p, v) for p in preds)
         size.append(draw(st.integers(0, 64)))
         candidates = sorted(p for p in preds if alias_of[p] < 0 and p >= params)
-        if candidates and draw(st.integers(0, 3)) == 0:
+        if shared_storage and candidates and draw(st.integers(0, 3)) == 0:
             base = draw(st.sampled_from(candidates))
             alias_of[v] = base
             room = size[base] - sum(size[i] for i in range(params, v) if alias_of[i] == base)
@@ -32,3 +33,18 @@ def graphs(draw: st.DrawFn, max_nodes: int = 12) -> Graph:
     workspace = [0] * params + [draw(st.sampled_from([0, 0, 0, 8])) for _ in range(ops)]
     return Graph.build(cost=cost, size=size, edges=edges, alias_of=alias_of, output=output,
                        kind=["param"] * params + ["op"] * ops, workspace=workspace)
+
+
+def training_chain(costs: list[float], sizes: list[int]) -> Graph:
+    """A chain of layers and its backward: input, f_1..f_L, the loss, then b_L..b_1 where
+    b_i reads f_i's input and the gradient from b_(i+1); the input's gradient is the output."""
+    layers = len(costs)
+    n = 2 * layers + 2
+    edges = [(i, i + 1) for i in range(layers + 1)]
+    for i in range(layers, 0, -1):
+        b = 2 * layers + 2 - i
+        edges += [(b - 1, b), (i - 1, b)]
+    return Graph.build(cost=[0.0] + list(costs) + [0.0] + [2.0 * c for c in reversed(costs)],
+                       size=[sizes[0]] + list(sizes) + [1] + [sizes[i - 1] for i in range(layers, 0, -1)],
+                       edges=sorted(set(edges)), kind=["input"] + ["op"] * (n - 1),
+                       output=[False] * (n - 1) + [True], backward=[False] * (layers + 2) + [True] * layers)

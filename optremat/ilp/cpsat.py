@@ -25,7 +25,7 @@ from ortools.sat.python import cp_model
 
 from optremat.budget import InfeasibleBudget
 from optremat.graph import Graph
-from optremat.schedule import Schedule, simulate
+from optremat.schedule import Schedule, from_computations, simulate
 from optremat.solution import FEASIBLE, OPTIMAL, Solution
 
 Progress = Callable[[float, float, float], None]
@@ -224,20 +224,9 @@ class _IntervalModel:
 
     def schedule(self, solver: cp_model.CpSolver) -> Schedule:
         """The solution as a schedule; each copy lives until the last read it serves."""
-        g, n = self.graph, self.graph.n
-        last_read: dict[tuple[int, int], int] = {}
-        for (u, c, w, d), y in self.uses.items():
-            reader = self.copies[w][d]
-            if solver.boolean_value(y) and (reader.present is True or solver.boolean_value(reader.present)):
-                last_read[u, c] = max(last_read.get((u, c), 0), int(solver.value(reader.stage)))
-        events = [(i, i, n - 1) for i in np.nonzero(g.pinned)[0].tolist()]
-        for v in range(n):
-            for c, copy in enumerate(self.copies[v]):
-                if copy.present is True or solver.boolean_value(copy.present):
-                    stage = int(solver.value(copy.stage))
-                    until = n - 1 if g.output[v] else max(stage, last_read.get((v, c), stage))
-                    events.append((v, stage, until))
-        return Schedule.from_events(events, n)
+        return from_computations(self.graph, [
+            (v, int(solver.value(copy.stage))) for v in range(self.graph.n) for copy in self.copies[v][1:]
+            if solver.boolean_value(copy.present)])
 
 
 def _parameters(solver: cp_model.CpSolver, time_limit: float, workers: int, seed: int, deterministic: bool) -> None:
@@ -283,10 +272,7 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
     reporter = _Reporter(progress, graph.total_cost, model.scale) if progress else None
     status = solver.solve(model.model, reporter)
     if status == cp_model.INFEASIBLE:
-        smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies, workers=workers, seed=seed,
-                                  deterministic=deterministic)
-        raise InfeasibleBudget(budget, simulate(graph, smallest.schedule).peak_bytes, "cpsat",
-                               proven=smallest.status == OPTIMAL)
+        raise infeasible(graph, budget, "cpsat", time_limit, copies=copies)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise TimeoutError(f"cpsat found no plan within {time_limit:g} s and proved none impossible "
                            f"({solver.status_name(status)}); allow more time or a larger budget")
@@ -320,3 +306,11 @@ def min_peak_cpsat(graph: Graph, *, max_overhead: float | None = None, time_limi
                     cost=simulate(graph, schedule).cost,
                     lower_bound=graph.pinned_bytes + solver.best_objective_bound,
                     seconds=time.perf_counter() - started, copies=copies)
+
+
+def infeasible(graph: Graph, budget: int, planner: str, time_limit: float, copies: int = 2) -> InfeasibleBudget:
+    """The error for a budget below what any plan reaches, naming the smallest feasible
+    budget the peak-minimising model finds (proven when it solves to optimality)."""
+    smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies)
+    return InfeasibleBudget(budget, simulate(graph, smallest.schedule).peak_bytes, planner,
+                            proven=smallest.status == OPTIMAL)

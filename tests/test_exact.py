@@ -1,0 +1,72 @@
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optremat import Graph, keep_all, simulate
+from optremat.budget import InfeasibleBudget
+from optremat.ilp.cpsat import min_peak_cpsat, solve_cpsat
+from optremat.ilp.milp import solve_lp_rounding, solve_milp
+from tests.bruteforce import optimum
+from tests.dags import graphs, training_chain
+
+EXHAUSTIVE = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def check_against_brute_force(g: Graph, fraction: float, solve) -> None:
+    budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
+    best = optimum(g, budget)
+    if best is None:
+        with pytest.raises(InfeasibleBudget) as error:
+            solve(g, budget)
+        assert error.value.smallest > budget
+        return
+    solution = solve(g, budget)
+    result = simulate(g, solution.schedule)
+    assert result.peak_bytes <= budget
+    assert solution.cost == pytest.approx(best[0], abs=1e-9)
+    assert simulate(g, best[1]).peak_bytes <= budget and simulate(g, best[1]).cost == pytest.approx(best[0])
+
+
+@EXHAUSTIVE
+@given(graphs(max_nodes=8), st.floats(0.3, 1.0))
+def test_cpsat_matches_brute_force_with_shared_storage(g, fraction):
+    check_against_brute_force(g, fraction, lambda g, b: solve_cpsat(g, b, copies=g.n, time_limit=30, workers=1))
+
+
+@EXHAUSTIVE
+@given(graphs(max_nodes=8, shared_storage=False), st.floats(0.3, 1.0))
+def test_milp_matches_brute_force_without_shared_storage(g, fraction):
+    check_against_brute_force(g, fraction, lambda g, b: solve_milp(g, b, time_limit=30))
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graphs(max_nodes=10), st.floats(0.3, 1.0))
+def test_lp_rounding_fits_or_says_infeasible(g, fraction):
+    budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
+    try:
+        solution = solve_lp_rounding(g, budget)
+    except InfeasibleBudget as error:
+        assert error.smallest > 0
+        return
+    assert simulate(g, solution.schedule).peak_bytes <= budget
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graphs(max_nodes=7))
+def test_min_peak_is_the_smallest_budget_with_a_plan(g):
+    solution = min_peak_cpsat(g, copies=g.n, workers=1)
+    peak = simulate(g, solution.schedule).peak_bytes
+    assert solution.lower_bound == peak
+    assert optimum(g, peak) is not None and optimum(g, peak - 1) is None
+
+
+def test_cost_cap_trades_memory_for_time():
+    chain = training_chain([1.0] * 8, [4] * 8)
+    unplanned = simulate(chain, keep_all(chain))
+    no_extra = min_peak_cpsat(chain, max_overhead=0.0, workers=1)
+    some = min_peak_cpsat(chain, max_overhead=0.25, workers=1)
+    unbounded = min_peak_cpsat(chain, workers=1)
+    peaks = [simulate(chain, s.schedule).peak_bytes for s in (no_extra, some, unbounded)]
+    assert peaks[0] == unplanned.peak_bytes and peaks[0] > peaks[1] >= peaks[2]
+    assert simulate(chain, some.schedule).overhead <= 0.25
+    assert all(s.status == "OPTIMAL" and s.lower_bound == p for s, p in zip((no_extra, some, unbounded), peaks))
