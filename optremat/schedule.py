@@ -99,14 +99,25 @@ def recompute_all(graph: Graph) -> Schedule:
     return from_kept(graph, np.zeros(graph.n, dtype=bool))
 
 
-def from_kept(graph: Graph, kept: np.ndarray) -> Schedule:
+def from_kept(graph: Graph, kept: np.ndarray, *, reuse: bool = False) -> Schedule:
     """The schedule that keeps the nodes in `kept` and recomputes the rest where needed.
 
-    Each node runs in its own stage; a kept node lives until its last consumer, any other
-    node only within a stage. Every stage first recomputes the unkept ancestors its node
-    needs (Checkmate's checkpoint-set schedule). Params, inputs and outputs are always kept.
+    Each node runs in its own stage; a kept node lives until its last consumer. Without
+    `reuse` any other node lives only within a stage and every stage first recomputes
+    the unkept ancestors its node needs (Checkmate's checkpoint-set schedule). With
+    `reuse` (what `torch.utils.checkpoint` does) an unkept forward tensor lives through
+    its forward consumers, is recomputed when a backward node first needs it, and that
+    copy serves every later read. Params, inputs and outputs are always kept.
     """
     kept = np.asarray(kept, dtype=bool) | graph.pinned | graph.output
+    if reuse:
+        available = kept | graph.backward
+        computations = []
+        for t in np.nonzero(graph.backward)[0].tolist():
+            needed = _unkept_ancestors(graph, t, available)[:-1]
+            computations += [(i, t) for i in needed]
+            available[needed] = True
+        return from_computations(graph, computations)
     runs = [_unkept_ancestors(graph, t, kept) for t in range(graph.n)]
     last = np.arange(graph.n)
     for t, nodes in enumerate(runs):

@@ -1,0 +1,8 @@
+"""Fast planners (Graph, budget in bytes -> Schedule): plans of their own and seeds for the exact solvers."""
+
+from optremat.heuristics.benefit import greedy_benefit
+from optremat.heuristics.chen import chen_greedy, chen_sqrt
+from optremat.heuristics.dtr import dtr
+from optremat.heuristics.mirror import mirror
+
+__all__ = ["chen_greedy", "chen_sqrt", "dtr", "greedy_benefit", "mirror"]
