@@ -1,0 +1,89 @@
+"""Graph-level planning: one entry point over every planner, and the `auto` strategy."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from optremat.budget import InfeasibleBudget, resolve_budget
+from optremat.graph import Graph
+from optremat.heuristics import chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror
+from optremat.ilp.cpsat import Progress, solve_cpsat
+from optremat.ilp.milp import solve_lp_rounding, solve_milp
+from optremat.schedule import Schedule, keep_all, simulate
+from optremat.solution import HEURISTIC, OPTIMAL, Solution
+
+HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
+    "chen": chen_sqrt,
+    "greedy": chen_greedy,
+    "benefit": greedy_benefit,
+    "mirror": mirror,
+    "dtr": dtr,
+}
+EXACT = ("cpsat", "ilp", "lp-rounding")
+SOLVERS = ("auto",) + EXACT + tuple(HEURISTICS)
+
+
+def heuristic(graph: Graph, budget: int, name: str) -> Solution:
+    """Run one heuristic and wrap its schedule as a Solution."""
+    started = time.perf_counter()
+    schedule = HEURISTICS[name](graph, budget)
+    return Solution(schedule=schedule, solver=name, status=HEURISTIC, cost=simulate(graph, schedule).cost,
+                    lower_bound=None, seconds=time.perf_counter() - started)
+
+
+def best_heuristic(graph: Graph, budget: int) -> Solution | None:
+    """The cheapest plan any heuristic finds within budget, or None."""
+    found = []
+    for name in HEURISTICS:
+        try:
+            found.append(heuristic(graph, budget, name))
+        except InfeasibleBudget:
+            continue
+    return min(found, key=lambda s: s.cost, default=None)
+
+
+def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_limit: float = 30.0, *,
+          hint: Schedule | None = None, copies: int = 2, workers: int = 0, seed: int = 0,
+          deterministic: bool = False, progress: Progress | None = None) -> Solution:
+    """The least-cost plan for `graph` under `budget` that `solver` finds.
+
+    `auto` runs the heuristics, hands the best to CP-SAT as a hint and returns the best
+    plan found within `time_limit`, never worse than the hint (a heuristic plan that
+    computes some node more than `copies` times lies outside the CP-SAT model; when it
+    wins it is returned as it is, with no bound claimed). Every returned schedule
+    has a simulated peak within budget; an impossible budget raises InfeasibleBudget
+    naming the smallest feasible one.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    budget_bytes = resolve_budget(graph, budget)
+    if budget_bytes < graph.pinned_bytes:
+        raise InfeasibleBudget(budget_bytes, graph.pinned_bytes, solver, proven=True)
+    unplanned = keep_all(graph)
+    if simulate(graph, unplanned).peak_bytes <= budget_bytes:
+        return Solution(schedule=unplanned, solver=solver, status=OPTIMAL, cost=graph.total_cost,
+                        lower_bound=graph.total_cost, seconds=0.0)
+    if solver in HEURISTICS:
+        return heuristic(graph, budget_bytes, solver)
+    if solver == "ilp":
+        return solve_milp(graph, budget_bytes, time_limit=time_limit, hint=hint, workers=workers)
+    if solver == "lp-rounding":
+        return solve_lp_rounding(graph, budget_bytes)
+    started = time.perf_counter()
+    seed_plan = best_heuristic(graph, budget_bytes) if solver == "auto" else None
+    if seed_plan is not None and hint is None:
+        hint = seed_plan.schedule
+    remaining = max(time_limit - (time.perf_counter() - started), 1.0)
+    try:
+        exact = solve_cpsat(graph, budget_bytes, time_limit=remaining, hint=hint, copies=copies,
+                            workers=workers, seed=seed, deterministic=deterministic, progress=progress)
+    except (TimeoutError, InfeasibleBudget):
+        if seed_plan is None:
+            raise
+        return seed_plan
+    if seed_plan is not None and seed_plan.cost < exact.cost:
+        return seed_plan
+    return Solution(schedule=exact.schedule, solver="auto" if solver == "auto" else "cpsat", status=exact.status,
+                    cost=exact.cost, lower_bound=exact.lower_bound, seconds=time.perf_counter() - started,
+                    copies=copies)

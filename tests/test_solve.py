@@ -1,0 +1,74 @@
+from pathlib import Path
+
+import pytest
+
+from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
+from optremat.solve import HEURISTICS
+from tests.dags import training_chain
+
+GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
+
+
+def chain() -> Graph:
+    return training_chain([1.0, 3.0, 2.0, 1.0, 4.0, 1.0, 2.0, 1.0, 3.0, 1.0], [8, 4, 12, 8, 4, 16, 8, 4, 8, 8])
+
+
+@pytest.mark.parametrize("fraction", [0.55, 0.6, 0.7, 0.85])
+def test_auto_is_never_worse_than_any_heuristic(fraction):
+    g = chain()
+    auto = solve(g, fraction, time_limit=20, workers=1)
+    assert simulate(g, auto.schedule).peak_bytes <= resolve_budget(g, fraction)
+    for name in HEURISTICS:
+        try:
+            other = solve(g, fraction, solver=name)
+        except InfeasibleBudget:
+            continue
+        assert auto.cost <= other.cost + 1e-9, name
+    assert auto.status in ("OPTIMAL", "FEASIBLE")
+    assert auto.lower_bound <= auto.cost + 1e-9
+
+
+def test_a_budget_the_unplanned_step_meets_needs_no_recomputation():
+    g = chain()
+    solution = solve(g, 1.0, solver="cpsat")
+    assert solution.cost == g.total_cost and solution.schedule.recomputations == 0
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+    g = chain()
+    with pytest.raises(InfeasibleBudget) as error:
+        solve(g, 0.1, solver="cpsat", time_limit=20, workers=1)
+    assert error.value.proven and error.value.smallest > resolve_budget(g, 0.1)
+    fitting = solve(g, error.value.smallest, solver="cpsat", time_limit=20, workers=1)
+    assert simulate(g, fitting.schedule).peak_bytes <= error.value.smallest
+
+
+def test_budgets_in_every_accepted_form():
+    g = chain()
+    peak = simulate(g, keep_all(g)).peak_bytes
+    assert resolve_budget(g, 0.5) == -(-peak // 2)
+    assert resolve_budget(g, "0.5") == resolve_budget(g, 0.5)
+    assert resolve_budget(g, "2KiB") == 2048 and resolve_budget(g, "1.5 MB") == 1_500_000
+    assert resolve_budget(g, 4096) == 4096
+    for bad in (0, -5, 0.0, 1.5, float("nan"), "6 parsecs", "", True, None):
+        with pytest.raises(ValueError, match="a budget is"):
+            resolve_budget(g, bad)
+
+
+def test_unknown_solver_is_named():
+    with pytest.raises(ValueError, match="unknown solver 'magic'"):
+        solve(chain(), 0.5, solver="magic")
+
+
+def test_exact_solvers_agree_on_a_chain():
+    g = chain()
+    costs = {name: solve(g, 0.6, solver=name, time_limit=20, workers=1).cost for name in ("cpsat", "ilp")}
+    assert costs["cpsat"] == pytest.approx(costs["ilp"])
+    assert solve(g, 0.6, solver="lp-rounding").cost >= costs["ilp"] - 1e-9
+
+
+@pytest.mark.skipif(not GRAPHS.is_dir(), reason="published graphs not beside this checkout")
+def test_a_published_graph_plans_within_its_budget():
+    g = Graph.load(GRAPHS / "vgg16_b256_224x224_train.json")
+    solution = solve(g, 0.9, time_limit=10, workers=1)
+    assert simulate(g, solution.schedule).peak_bytes <= resolve_budget(g, 0.9)
