@@ -41,3 +41,40 @@ def test_published_graph():
         pytest.skip(f"published graphs not found at {GRAPHS}")
     data = json.loads(run("graph", "--graph", str(path), "--json").stdout)
     assert data["nodes"] == 45
+
+
+def test_plan_a_graph_file_within_budget(tmp_path):
+    from optremat import Schedule, simulate
+    from tests.dags import training_chain
+
+    chain = training_chain([1.0] * 12, [8] * 12)
+    chain.save(tmp_path / "chain.json")
+    result = run("plan", "--graph", str(tmp_path / "chain.json"), "--budget", "0.6", "--time-limit", "10",
+                 "--save", str(tmp_path / "s.json"), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["peak_bytes"] <= report["budget_bytes"] < report["unplanned_peak_bytes"]
+    assert report["status"] == "OPTIMAL" and report["overhead"] > 0
+    schedule = Schedule.from_json(json.loads((tmp_path / "s.json").read_text()))
+    assert simulate(chain, schedule).peak_bytes == report["peak_bytes"]
+
+
+def test_plan_exit_codes_for_bad_and_infeasible_budgets(tmp_path):
+    from tests.dags import training_chain
+
+    training_chain([1.0] * 6, [8] * 6).save(tmp_path / "chain.json")
+    for bad in ("0", "-3", "1.5", "nan", "7parsecs"):
+        result = run("plan", "--graph", str(tmp_path / "chain.json"), "--budget", bad)
+        assert result.returncode == 2, (bad, result.stderr)
+        assert result.stderr.strip().count("\n") == 0 and "a budget is" in result.stderr
+    infeasible = run("plan", "--graph", str(tmp_path / "chain.json"), "--budget", "0.1")
+    assert infeasible.returncode == 3
+    assert "smallest feasible budget" in infeasible.stderr and infeasible.stderr.strip().count("\n") == 0
+
+
+def test_plan_a_builtin_model_on_its_coarse_graph():
+    result = run("plan", "--model", "gpt-tiny", "--budget", "0.85", "--time-limit", "10", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["planned_nodes"] < report["nodes"]
+    assert report["peak_bytes"] <= report["budget_bytes"]

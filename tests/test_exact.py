@@ -70,3 +70,18 @@ def test_cost_cap_trades_memory_for_time():
     assert peaks[0] == unplanned.peak_bytes and peaks[0] > peaks[1] >= peaks[2]
     assert simulate(chain, some.schedule).overhead <= 0.25
     assert all(s.status == "OPTIMAL" and s.lower_bound == p for s, p in zip((no_extra, some, unbounded), peaks))
+
+
+def test_exact_formulations_agree_on_a_uniform_chain_at_every_budget():
+    chain = training_chain([1.0] * 6, [4] * 6)
+    unplanned = simulate(chain, keep_all(chain)).peak_bytes
+    smallest = simulate(chain, min_peak_cpsat(chain, copies=chain.n, workers=1).schedule).peak_bytes
+    previous = None
+    for budget in range(smallest, unplanned + 1, 2):
+        interval = solve_cpsat(chain, budget, copies=chain.n, workers=1)
+        checkmate = solve_milp(chain, budget)
+        assert interval.cost == pytest.approx(checkmate.cost)
+        assert interval.status == checkmate.status == "OPTIMAL"
+        assert previous is None or interval.cost <= previous
+        previous = interval.cost
+    assert previous == chain.total_cost
