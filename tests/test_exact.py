@@ -77,7 +77,7 @@ def test_exact_formulations_agree_on_a_uniform_chain_at_every_budget():
     unplanned = simulate(chain, keep_all(chain)).peak_bytes
     smallest = simulate(chain, min_peak_cpsat(chain, copies=chain.n, workers=1).schedule).peak_bytes
     previous = None
-    for budget in range(smallest, unplanned + 1, 2):
+    for budget in list(range(smallest, unplanned, 2)) + [unplanned]:
         interval = solve_cpsat(chain, budget, copies=chain.n, workers=1)
         checkmate = solve_milp(chain, budget)
         assert interval.cost == pytest.approx(checkmate.cost)
@@ -85,3 +85,15 @@ def test_exact_formulations_agree_on_a_uniform_chain_at_every_budget():
         assert previous is None or interval.cost <= previous
         previous = interval.cost
     assert previous == chain.total_cost
+
+
+def test_a_hint_is_accepted_and_never_beaten_by_the_result():
+    chain = training_chain([1.0, 2.0, 1.0, 3.0, 1.0, 2.0, 1.0, 1.0], [8, 4, 8, 12, 4, 8, 8, 4])
+    budget = int(simulate(chain, keep_all(chain)).peak_bytes * 0.7)
+    from optremat.heuristics import chen_greedy
+
+    seed = chen_greedy(chain, budget)
+    hinted = solve_cpsat(chain, budget, hint=seed, workers=1, deterministic=True, time_limit=5)
+    assert hinted.cost <= simulate(chain, seed).cost
+    again = solve_cpsat(chain, budget, hint=seed, workers=1, deterministic=True, time_limit=5)
+    assert again.schedule.events == hinted.schedule.events

@@ -170,11 +170,10 @@ class _IntervalModel:
                     intervals.append(interval(copy, end, f"part{p}_{c}"))
                     demands.append(int(g.size[p]))
                 if g.workspace[v] > 0:
-                    present = True if copy.present is True else copy.present
-                    if present is True:
+                    if copy.present is True:
                         intervals.append(m.new_fixed_size_interval_var(copy.start, 1, f"ws{v}_{c}"))
                     else:
-                        intervals.append(m.new_optional_fixed_size_interval_var(copy.start, 1, present, f"ws{v}_{c}"))
+                        intervals.append(m.new_optional_fixed_size_interval_var(copy.start, 1, copy.present, f"ws{v}_{c}"))
                     demands.append(int(g.workspace[v]))
         m.add_cumulative(intervals, demands, self.capacity)
 
@@ -185,7 +184,8 @@ class _IntervalModel:
         for i, s, u in schedule.events:
             by_node[i].append((s, u))
         ends: dict[tuple[int, int], int] = {}
-        serving: dict[tuple[int, int, int], int] = {}
+        serving: set[tuple[int, int, int, int]] = set()
+        readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for v in range(n):
             for d, (s, _) in enumerate(by_node[v][:len(self.copies[v])]):
                 for u in g.preds[v].tolist():
@@ -195,7 +195,8 @@ class _IntervalModel:
                               if su <= s <= uu), None)
                     if c is None:
                         continue
-                    serving[u, c, v, d] = 1
+                    serving.add((u, c, v, d))
+                    readers.setdefault((u, c), []).append((v, d))
                     ends[u, c] = max(ends.get((u, c), 0), s * n + v)
         storage: dict[tuple[int, int], int] = {}
         for v in range(n - 1, -1, -1):
@@ -211,16 +212,14 @@ class _IntervalModel:
                 if not isinstance(copy.stage, int):
                     m.add_hint(copy.stage, stage)
                 m.add_hint(copy.end, end)
-                alias_ends = [storage[a, d] for (x, cc, a, d) in serving if x == v and cc == c
-                              and (a, d) in storage and not g.is_part[a] and g.alias_of[a] == v]
-                storage[v, c] = max([end] + alias_ends)
+                held = [(a, d) for a, d in readers.get((v, c), []) if g.alias_of[a] == v]
+                storage[v, c] = max([end] + [storage[a, d] for a, d in held if not g.is_part[a]])
                 if copy.storage_end is not copy.end:
                     m.add_hint(copy.storage_end, storage[v, c])
                 for p, var in copy.part_end.items():
-                    part_ends = [storage[p, d] for (x, cc, a, d) in serving if x == v and cc == c and a == p]
-                    m.add_hint(var, max([storage[v, c]] + part_ends))
+                    m.add_hint(var, max([storage[v, c]] + [storage[a, d] for a, d in held if a == p]))
         for key, y in self.uses.items():
-            m.add_hint(y, bool(serving.get(key)))
+            m.add_hint(y, key in serving)
 
     def schedule(self, solver: cp_model.CpSolver) -> Schedule:
         """The solution as a schedule; each copy lives until the last read it serves."""
