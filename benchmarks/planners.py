@@ -23,6 +23,7 @@ import torch
 
 from optremat import Graph, InfeasibleBudget, extract, keep_all, resolve_budget, simulate, solve
 from optremat.coarsen import coarsen
+from optremat.heuristics import NotAChain
 from optremat.ilp.cpsat import solve_cpsat
 from optremat.ilp.milp import solve_milp
 from optremat.models import build
@@ -61,6 +62,8 @@ def models_section(names: list[str], limit: float) -> str:
                     if planner == "cpsat":
                         gap = "" if solution.gap is None else f", gap {solution.gap:.2%}"
                         detail = f"{solution.seconds:.1f} s, {solution.status}{gap}"
+                except NotAChain:
+                    row.append("n/a (not a chain)")
                 except InfeasibleBudget as error:
                     row.append(f"infeasible (min {error.smallest / unplanned:.0%})")
                 except TimeoutError:
@@ -84,7 +87,7 @@ def published_section(folder: Path, limit: float) -> str:
                 try:
                     s = solve(graph, budget, solver=name)
                     best = s if best is None or s.cost < best.cost else best
-                except InfeasibleBudget:
+                except (InfeasibleBudget, NotAChain):
                     continue
             row.append("n/a (no backward)" if not graph.backward.any() else "none fits" if best is None else f"{best.cost / graph.total_cost - 1:.2%} ({best.solver})")
             for solver, seconds in (("cpsat", 10.0), ("cpsat", limit), ("ilp", limit)):
@@ -160,7 +163,7 @@ def scaling_section(limit: float) -> str:
             start = time.perf_counter()
             try:
                 HEURISTICS[name](graph, budget)
-            except InfeasibleBudget:
+            except (InfeasibleBudget, NotAChain):
                 pass
             slowest = max(slowest, time.perf_counter() - start)
         row.append(f"{slowest:.2f} s")

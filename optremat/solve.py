@@ -7,7 +7,7 @@ from typing import Callable
 
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.graph import Graph
-from optremat.heuristics import chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror
+from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror
 from optremat.ilp.cpsat import Progress, solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
 from optremat.schedule import Schedule, keep_all, simulate
@@ -19,6 +19,7 @@ HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
     "benefit": greedy_benefit,
     "mirror": mirror,
     "dtr": dtr,
+    "dp": chain_dp,
 }
 EXACT = ("cpsat", "ilp", "lp-rounding")
 SOLVERS = ("auto",) + EXACT + tuple(HEURISTICS)
@@ -38,7 +39,7 @@ def best_heuristic(graph: Graph, budget: int) -> Solution | None:
     for name in HEURISTICS:
         try:
             found.append(heuristic(graph, budget, name))
-        except InfeasibleBudget:
+        except (InfeasibleBudget, NotAChain):
             continue
     return min(found, key=lambda s: s.cost, default=None)
 

@@ -2,7 +2,8 @@
 
 from optremat.heuristics.benefit import greedy_benefit
 from optremat.heuristics.chen import chen_greedy, chen_sqrt
+from optremat.heuristics.dp import NotAChain, chain_dp
 from optremat.heuristics.dtr import dtr
 from optremat.heuristics.mirror import mirror
 
-__all__ = ["chen_greedy", "chen_sqrt", "dtr", "greedy_benefit", "mirror"]
+__all__ = ["NotAChain", "chain_dp", "chen_greedy", "chen_sqrt", "dtr", "greedy_benefit", "mirror"]
