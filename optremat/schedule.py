@@ -224,7 +224,7 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
     curve = np.zeros(len(schedule.node), dtype=np.int64)
     stage_peak = np.zeros(n, dtype=np.int64)
     bounds = np.searchsorted(schedule.stage, np.arange(n + 1))
-    carried: list[int] = []
+    expiring: list[list[int]] = [[] for _ in range(n)]
     for s in range(n):
         lo, hi = int(bounds[s]), int(bounds[s + 1])
         nodes = schedule.node[lo:hi].tolist()
@@ -233,14 +233,10 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
         for pos, k in enumerate(nodes):
             for p in preds[k].tolist():
                 last_use[p] = pos
-        still = []
-        for i in carried:
+        for i in expiring[s]:
             if live_until[i] == s and not resident[i] and i not in last_use:
                 release(i)
                 live_until[i] = -1
-            else:
-                still.append(i)
-        carried = still
         if lo == hi or nodes[-1] != s:
             raise InvalidSchedule("the stage does not compute its own node", s, s)
         for pos, (k, u) in enumerate(zip(nodes, untils)):
@@ -251,6 +247,8 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
                 raise InvalidSchedule("node is computed while a copy of it is still live", s, k)
             hold(k)
             live_until[k] = u
+            if u > s:
+                expiring[u].append(k)
             curve[lo + pos] = state["bytes"] + workspace[k]
             for p in preds[k].tolist():
                 if live_until[p] == s and not resident[p] and last_use[p] == pos:
@@ -260,7 +258,6 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
                 release(k)
                 live_until[k] = -1
         stage_peak[s] = curve[lo:hi].max()
-        carried = [i for i in set(carried) | set(nodes) if live_until[i] > s]
     cost = float(graph.cost[schedule.node].sum())
     curve.setflags(write=False)
     stage_peak.setflags(write=False)

@@ -1,8 +1,9 @@
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from optremat import Graph, keep_all, simulate
+from optremat import Graph, from_kept, keep_all, simulate
 from optremat.budget import InfeasibleBudget
 from optremat.ilp.cpsat import min_peak_cpsat, solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
@@ -97,3 +98,16 @@ def test_a_hint_is_accepted_and_never_beaten_by_the_result():
     assert hinted.cost <= simulate(chain, seed).cost
     again = solve_cpsat(chain, budget, hint=seed, workers=1, deterministic=True, time_limit=5)
     assert again.schedule.events == hinted.schedule.events
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graphs(max_nodes=10), st.floats(0.5, 1.0))
+def test_a_feasible_hint_is_valid_and_the_result_is_no_worse(g, fraction):
+    kept = np.arange(g.n) % 2 == 0
+    for hint in (from_kept(g, kept), from_kept(g, kept, reuse=True), keep_all(g)):
+        result = simulate(g, hint)
+        budget = max(result.peak_bytes, int(simulate(g, keep_all(g)).peak_bytes * fraction))
+        if result.peak_bytes > budget:
+            continue
+        solution = solve_cpsat(g, budget, hint=hint, copies=g.n, workers=1, time_limit=30)
+        assert solution.cost <= result.cost + 1e-9

@@ -41,7 +41,7 @@ def chen_sqrt(graph: Graph, budget: int) -> Schedule:
     return cheapest_fitting(graph, budget, [_kept(graph, cuts[step - 1::step])], "chen")
 
 
-def chen_greedy(graph: Graph, budget: int, thresholds: int = 16) -> Schedule:
+def chen_greedy(graph: Graph, budget: int, thresholds: int = 10) -> Schedule:
     """Walk the forward pass and close a segment at the first cut point after its bytes
     pass a threshold; the threshold is swept geometrically and the cheapest fitting plan wins."""
     cuts = cut_points(graph)

@@ -44,7 +44,7 @@ def mirror_path(graph: Graph, max_cost: float = math.inf) -> np.ndarray:
     return path
 
 
-def mirror(graph: Graph, budget: int, thresholds: int = 16) -> Schedule:
+def mirror(graph: Graph, budget: int, thresholds: int = 10) -> Schedule:
     """Mirroring with the recompute-cost cap swept over quantiles of the node costs; the
     cheapest plan that fits wins."""
     costs = graph.cost[droppable(graph)]

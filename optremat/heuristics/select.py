@@ -18,12 +18,19 @@ def droppable(graph: Graph) -> np.ndarray:
     return ~graph.backward & ~graph.pinned & ~graph.output
 
 
+PER_STAGE_LIMIT = 300
+"""Largest training graph on which keep sets are also lowered with per-stage recomputation:
+it sometimes reaches lower peaks, but its cost grows with depth squared."""
+
+
 def lowerings(graph: Graph, kept: np.ndarray) -> list[Schedule]:
-    """The schedules a keep set can mean: recompute per stage, and (for training graphs)
-    recompute once per backward and reuse."""
-    schedules = [from_kept(graph, kept)]
-    if graph.backward.any():
-        schedules.append(from_kept(graph, kept, reuse=True))
+    """The schedules a keep set can mean: recompute once per backward and reuse (training
+    graphs), and recompute per stage (other graphs, and small training graphs)."""
+    if not graph.backward.any():
+        return [from_kept(graph, kept)]
+    schedules = [from_kept(graph, kept, reuse=True)]
+    if graph.n <= PER_STAGE_LIMIT:
+        schedules.append(from_kept(graph, kept))
     return schedules
 
 

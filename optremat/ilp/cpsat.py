@@ -211,7 +211,8 @@ class _IntervalModel:
                     m.add_hint(copy.present, False)
                 if not isinstance(copy.stage, int):
                     m.add_hint(copy.stage, stage)
-                m.add_hint(copy.end, end)
+                if not g.output[v]:
+                    m.add_hint(copy.end, end)
                 held = [(a, d) for a, d in readers.get((v, c), []) if g.alias_of[a] == v]
                 storage[v, c] = max([end] + [storage[a, d] for a, d in held if not g.is_part[a]])
                 if copy.storage_end is not copy.end:
@@ -270,6 +271,8 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
     _parameters(solver, time_limit, workers, seed, deterministic)
     reporter = _Reporter(progress, graph.total_cost, model.scale) if progress else None
     status = solver.solve(model.model, reporter)
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"cpsat rejected the model: {model.model.validate()}")
     if status == cp_model.INFEASIBLE:
         raise infeasible(graph, budget, "cpsat", time_limit, copies=copies)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
