@@ -30,7 +30,6 @@ from optremat.models import build
 from optremat.solve import HEURISTICS
 
 HERE = Path(__file__).parent
-PLANNERS = tuple(HEURISTICS) + ("lp-rounding", "cpsat")
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -38,39 +37,74 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+MODEL_PLANNERS = tuple(HEURISTICS) + ("lp-rounding", "auto")
+
+
 def models_section(names: list[str], limit: float) -> str:
-    header = ["model", "ops / coarse", "budget"] + list(PLANNERS) + ["cpsat time, gap"]
+    header = ["model", "ops / coarse", "budget"] + list(MODEL_PLANNERS) + ["auto: status, gap"]
     rows = []
     for name in names:
         example = build(name)
         coarsened = coarsen(extract(example.model, example.inputs, example.loss_fn))
         fine, coarse = coarsened.fine, coarsened.coarse
         unplanned = simulate(fine, keep_all(fine)).peak_bytes
-        for fraction in (0.7, 0.5, 0.3):
+        curves: dict[str, list[tuple[float, float]]] = {planner: [] for planner in MODEL_PLANNERS}
+        for fraction in FRACTIONS:
             budget = resolve_budget(fine, fraction)
             row = [name, f"{fine.n} / {coarse.n}", f"{fraction:.0%}"]
-            detail = ""
-            for planner in PLANNERS:
+            detail = "-"
+            for planner in MODEL_PLANNERS:
                 if planner == "lp-rounding" and coarse.n > 150:
                     row.append("skipped (LP of O(n²) variables)")
                     continue
                 try:
                     solution = solve(coarse, budget, solver=planner, time_limit=limit)
-                    result = simulate(fine, coarsened.expand(solution.schedule))
-                    assert result.peak_bytes <= budget, (name, planner, result.peak_bytes, budget)
-                    row.append(f"{result.overhead:.1%} ({solution.seconds:.1f} s)")
-                    if planner == "cpsat":
-                        gap = "" if solution.gap is None else f", gap {solution.gap:.2%}"
-                        detail = f"{solution.seconds:.1f} s, {solution.status}{gap}"
                 except NotAChain:
                     row.append("n/a (not a chain)")
+                    continue
                 except InfeasibleBudget as error:
                     row.append(f"infeasible (min {error.smallest / unplanned:.0%})")
+                    continue
                 except TimeoutError:
                     row.append("no plan in time")
-            rows.append(row + [detail or "-"])
+                    continue
+                result = simulate(fine, coarsened.expand(solution.schedule))
+                assert result.peak_bytes <= budget, (name, planner, result.peak_bytes, budget)
+                row.append(f"{result.overhead:.1%} ({solution.seconds:.1f} s)")
+                curves[planner].append((fraction, result.overhead))
+                if planner == "auto":
+                    gap = "" if solution.gap is None else f", gap {solution.gap:.2%}"
+                    detail = f"{solution.solver} {solution.status}{gap}"
+            rows.append(row + [detail])
             print(" | ".join(rows[-1]), flush=True)
+        _plot(name, curves)
     return table(header, rows)
+
+
+def _plot(name: str, curves: dict[str, list[tuple[float, float]]]) -> None:
+    """overhead_<model>.png: overhead vs budget, one line per planner (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for planner, points in curves.items():
+        if points:
+            x, y = zip(*points)
+            axes.plot([100 * f for f in x], [100 * v for v in y], marker="o", label=planner)
+    axes.set_xlabel("budget (% of unplanned peak)")
+    axes.set_ylabel("extra compute (%)")
+    axes.set_title(f"{name}: overhead vs budget (simulated)")
+    axes.invert_xaxis()
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(HERE / f"overhead_{name}.png", dpi=110)
+    plt.close(figure)
 
 
 def published_section(folder: Path, limit: float) -> str:
@@ -137,7 +171,8 @@ def random_training_graph(layers: int, seed: int = 0) -> Graph:
 
 
 def scaling_section(limit: float) -> str:
-    header = ["graph", "nodes", "cpsat first plan", f"cpsat {limit:g} s: overhead (bound)", "ilp", "heuristics (max)"]
+    header = ["graph", "nodes", "cpsat: first plan", f"cpsat {limit:g} s", f"auto {limit:g} s (hinted)",
+              "best heuristic", "slowest heuristic", f"ilp {limit:g} s"]
     rows = []
     for layers in (50, 125, 250, 500, 1000, 2500):
         graph = random_training_graph(layers)
@@ -146,30 +181,38 @@ def scaling_section(limit: float) -> str:
         firsts: list[float] = []
         try:
             s = solve_cpsat(graph, budget, time_limit=limit, progress=lambda t, c, b: firsts.append(t))
-            row += [f"{firsts[0]:.1f} s" if firsts else "-",
-                    f"{s.cost / graph.total_cost - 1:.2%} (≥{s.lower_bound / graph.total_cost - 1:.2%}, {s.seconds:.1f} s)"]
+            row += [f"{firsts[0]:.1f} s" if firsts else "-", _overhead(graph, s)]
         except (InfeasibleBudget, TimeoutError) as error:
-            row += ["-", type(error).__name__]
+            row += ["none", type(error).__name__]
+        try:
+            row.append(_overhead(graph, solve(graph, budget, solver="auto", time_limit=limit)))
+        except (InfeasibleBudget, TimeoutError) as error:
+            row.append(type(error).__name__)
+        slowest, best = 0.0, None
+        for name in HEURISTICS:
+            start = time.perf_counter()
+            try:
+                s = solve(graph, budget, solver=name)
+                best = s if best is None or s.cost < best.cost else best
+            except (InfeasibleBudget, NotAChain):
+                pass
+            slowest = max(slowest, time.perf_counter() - start)
+        row += ["none" if best is None else f"{best.cost / graph.total_cost - 1:.2%} ({best.solver})", f"{slowest:.2f} s"]
         if graph.n <= 250:
             try:
-                s = solve_milp(graph, budget, time_limit=limit)
-                row.append(f"{s.cost / graph.total_cost - 1:.2%} ({s.status}, {s.seconds:.1f} s)")
+                row.append(_overhead(graph, solve_milp(graph, budget, time_limit=limit)))
             except (InfeasibleBudget, TimeoutError) as error:
                 row.append(type(error).__name__)
         else:
             row.append("skipped (O(n²) variables)")
-        slowest = 0.0
-        for name in HEURISTICS:
-            start = time.perf_counter()
-            try:
-                HEURISTICS[name](graph, budget)
-            except (InfeasibleBudget, NotAChain):
-                pass
-            slowest = max(slowest, time.perf_counter() - start)
-        row.append(f"{slowest:.2f} s")
         rows.append(row)
         print(" | ".join(row), flush=True)
     return table(header, rows)
+
+
+def _overhead(graph: Graph, solution) -> str:
+    bound = "" if solution.lower_bound is None else f" (≥{solution.lower_bound / graph.total_cost - 1:.2%})"
+    return f"{solution.cost / graph.total_cost - 1:.2%}{bound}, {solution.seconds:.1f} s"
 
 
 def main() -> None:
@@ -186,8 +229,9 @@ def main() -> None:
     if "models" in sections:
         written["models"] = ["## Built-in models (planned on the coarse graph, priced on every op)", "",
                   "Overhead = extra compute over the unplanned step (simulated), planner time in brackets; "
-                  "`infeasible (min X)` gives the smallest peak that planner reached as a fraction of the "
-                  "unplanned peak.", "", models_section(args.models.split(","), args.limit), ""]
+                  "`infeasible (min X)` gives the smallest peak that planner reached (for auto: the least "
+                  "the peak-minimising CP-SAT model found) as a fraction of the unplanned peak. Plots: "
+                  "`overhead_<model>.png`.", "", models_section(args.models.split(","), args.limit), ""]
     if "published" in sections:
         folder = Path(args.graphs)
         if folder.is_dir():

@@ -16,12 +16,12 @@ ACCEPTED = "a budget is an int of bytes, a size such as '6GiB' or '500MB', or a 
 class InfeasibleBudget(ValueError):
     """No plan fits `budget` bytes; `smallest` is the least peak known to be achievable.
 
-    `proven` says whether `smallest` is proven minimal (by an exact solver) or only the
-    best a heuristic reached.
+    `proven` says whether `smallest` is proven minimal (by an exact solver, within the
+    plans `scope` describes) or only the best a planner reached.
     """
 
-    def __init__(self, budget: int, smallest: int, planner: str, proven: bool = False) -> None:
-        how = "smallest feasible budget" if proven else f"smallest budget {planner} reaches"
+    def __init__(self, budget: int, smallest: int, planner: str, proven: bool = False, scope: str = "") -> None:
+        how = f"smallest feasible budget{scope}" if proven else f"smallest budget {planner} reaches"
         super().__init__(f"budget {format_bytes(budget)} is infeasible for {planner}; "
                          f"{how}: {format_bytes(smallest)} ({smallest} bytes)")
         self.budget = budget

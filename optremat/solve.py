@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
+
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.graph import Graph
 from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror
@@ -23,6 +25,8 @@ HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
 }
 EXACT = ("cpsat", "ilp", "lp-rounding")
 SOLVERS = ("auto",) + EXACT + tuple(HEURISTICS)
+MAX_COPIES = 4
+"""Most computations per node `auto` lets CP-SAT consider so that a heuristic hint fits its model."""
 
 
 def heuristic(graph: Graph, budget: int, name: str) -> Solution:
@@ -33,15 +37,18 @@ def heuristic(graph: Graph, budget: int, name: str) -> Solution:
                     lower_bound=None, seconds=time.perf_counter() - started)
 
 
-def best_heuristic(graph: Graph, budget: int) -> Solution | None:
-    """The cheapest plan any heuristic finds within budget, or None."""
-    found = []
+def best_heuristic(graph: Graph, budget: int) -> tuple[Solution | None, int | None]:
+    """The cheapest plan any heuristic finds within budget (or None), and the smallest
+    peak any heuristic reached when none fits (or None)."""
+    found, smallest = [], None
     for name in HEURISTICS:
         try:
             found.append(heuristic(graph, budget, name))
-        except (InfeasibleBudget, NotAChain):
+        except InfeasibleBudget as error:
+            smallest = error.smallest if smallest is None else min(smallest, error.smallest)
+        except NotAChain:
             continue
-    return min(found, key=lambda s: s.cost, default=None)
+    return min(found, key=lambda s: s.cost, default=None), smallest
 
 
 def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_limit: float = 30.0, *,
@@ -49,10 +56,10 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
           deterministic: bool = False, progress: Progress | None = None) -> Solution:
     """The least-cost plan for `graph` under `budget` that `solver` finds.
 
-    `auto` runs the heuristics, hands the best to CP-SAT as a hint and returns the best
-    plan found within `time_limit`, never worse than the hint (a heuristic plan that
-    computes some node more than `copies` times lies outside the CP-SAT model; when it
-    wins it is returned as it is, with no bound claimed). Every returned schedule
+    `auto` runs the heuristics, hands the best to CP-SAT as a hint (raising `copies` to
+    what the hint uses, up to MAX_COPIES) and returns the best plan found within
+    `time_limit`, never worse than the hint (a hint beyond the model's copies that still
+    wins is returned as it is, with no bound claimed). Every returned schedule
     has a simulated peak within budget; an impossible budget raises InfeasibleBudget
     naming the smallest feasible one.
     """
@@ -72,14 +79,21 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
     if solver == "lp-rounding":
         return solve_lp_rounding(graph, budget_bytes)
     started = time.perf_counter()
-    seed_plan = best_heuristic(graph, budget_bytes) if solver == "auto" else None
+    seed_plan, heuristic_smallest = best_heuristic(graph, budget_bytes) if solver == "auto" else (None, None)
     if seed_plan is not None and hint is None:
         hint = seed_plan.schedule
+        copies = max(copies, min(int(np.bincount(hint.node).max()), MAX_COPIES))
     remaining = max(time_limit - (time.perf_counter() - started), 1.0)
     try:
         exact = solve_cpsat(graph, budget_bytes, time_limit=remaining, hint=hint, copies=copies,
                             workers=workers, seed=seed, deterministic=deterministic, progress=progress)
-    except (TimeoutError, InfeasibleBudget):
+    except InfeasibleBudget as error:
+        if seed_plan is not None:
+            return seed_plan
+        if heuristic_smallest is not None and heuristic_smallest < error.smallest:
+            raise InfeasibleBudget(budget_bytes, heuristic_smallest, solver) from None
+        raise
+    except TimeoutError:
         if seed_plan is None:
             raise
         return seed_plan
@@ -88,3 +102,4 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
     return Solution(schedule=exact.schedule, solver="auto" if solver == "auto" else "cpsat", status=exact.status,
                     cost=exact.cost, lower_bound=exact.lower_bound, seconds=time.perf_counter() - started,
                     copies=copies)
+

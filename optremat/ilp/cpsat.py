@@ -315,4 +315,5 @@ def infeasible(graph: Graph, budget: int, planner: str, time_limit: float, copie
     budget the peak-minimising model finds (proven when it solves to optimality)."""
     smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies)
     return InfeasibleBudget(budget, simulate(graph, smallest.schedule).peak_bytes, planner,
-                            proven=smallest.status == OPTIMAL)
+                            proven=smallest.status == OPTIMAL,
+                            scope=f" (plans computing each node at most {copies} times)")
