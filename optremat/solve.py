@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -89,17 +90,16 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
                             workers=workers, seed=seed, deterministic=deterministic, progress=progress)
     except InfeasibleBudget as error:
         if seed_plan is not None:
-            return seed_plan
+            return replace(seed_plan, seconds=time.perf_counter() - started)
         if heuristic_smallest is not None and heuristic_smallest < error.smallest:
             raise InfeasibleBudget(budget_bytes, heuristic_smallest, solver) from None
         raise
     except TimeoutError:
         if seed_plan is None:
             raise
-        return seed_plan
+        return replace(seed_plan, seconds=time.perf_counter() - started)
     if seed_plan is not None and seed_plan.cost < exact.cost:
-        return seed_plan
+        return replace(seed_plan, seconds=time.perf_counter() - started)
     return Solution(schedule=exact.schedule, solver="auto" if solver == "auto" else "cpsat", status=exact.status,
                     cost=exact.cost, lower_bound=exact.lower_bound, seconds=time.perf_counter() - started,
                     copies=copies)
-
