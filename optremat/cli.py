@@ -80,6 +80,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     schedule = solution.schedule if coarse is None else coarse.expand(solution.schedule)
     result = simulate(graph, schedule)
     unplanned = simulate(graph, keep_all(graph))
+    if result.peak_bytes > budget:
+        print(f"optremat: warning: on every op the plan peaks at {format_bytes(result.peak_bytes)}, over the budget: "
+              "the coarse graph undercounts this model's storage", file=sys.stderr)
     if args.save:
         with open(args.save, "w") as f:
             json.dump(schedule.to_json(), f)
