@@ -3,6 +3,8 @@
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.extract import ExtractionError, extract
 from optremat.graph import Graph, GraphError
+from optremat.plan import Plan, PlanMismatch, plan
+from optremat.runtime.checkpoint import Planned, apply
 from optremat.schedule import (InvalidSchedule, Schedule, SimResult, from_computations, from_kept, keep_all,
                                recompute_all, simulate)
 from optremat.solution import Solution
@@ -16,14 +18,19 @@ __all__ = [
     "GraphError",
     "InfeasibleBudget",
     "InvalidSchedule",
+    "Plan",
+    "PlanMismatch",
+    "Planned",
     "Schedule",
     "SOLVERS",
     "SimResult",
     "Solution",
+    "apply",
     "extract",
     "from_computations",
     "from_kept",
     "keep_all",
+    "plan",
     "recompute_all",
     "resolve_budget",
     "simulate",

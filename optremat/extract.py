@@ -21,7 +21,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
 from optremat.costs import DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
 from optremat.graph import Graph
@@ -33,10 +33,16 @@ class ExtractionError(RuntimeError):
 
 @dataclass(frozen=True)
 class Traced:
-    """A traced training step: the fx graph and the Graph built from it."""
+    """A traced training step: the fx graph and the Graph built from it.
+
+    `output_spec` is the pytree structure of the model's output; `output_leaves` holds,
+    per leaf, the name of the fx node producing it or the constant itself.
+    """
 
     module: torch.fx.GraphModule
     graph: Graph
+    output_spec: TreeSpec
+    output_leaves: tuple[Any, ...]
 
 
 _MARK = "optremat"
@@ -78,15 +84,20 @@ def trace(
 
     grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
 
+    structure: dict[str, Any] = {}
+
     def step(params: dict, buffers: dict, inputs: tuple, grad_outputs: list) -> tuple:
         out = torch.func.functional_call(model, (params, buffers), inputs)
+        leaves, structure["spec"] = tree_flatten(out)
+        structure["leaves"] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
         if loss_fn is not None:
             roots, root_grads = [loss_fn(out)], None
         else:
             roots, root_grads = _grad_leaves(out), grad_outputs
         with _phase("backward"):
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
-        return roots, grads
+        structure["results"] = len(tree_leaves((roots, grads)))
+        return roots, grads, [t for t in leaves if isinstance(t, torch.Tensor)]
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
@@ -100,7 +111,11 @@ def trace(
                          + ["input"] * len(tree_leaves(inputs)) + ["input"] * len(grad_outputs))
     param_names = list(params) + list(buffers)
     costs = _costs(gm, args, cost_model, device_profile(device))
-    return Traced(gm, _to_graph(gm, placeholder_kinds, param_names, costs))
+    returned = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    results, produced = returned[:structure["results"]], iter(node.name for node in returned[structure["results"]:])
+    leaves = tuple(next(produced) if value is None else value for value in structure["leaves"])
+    return Traced(gm, _to_graph(gm, placeholder_kinds, param_names, costs, results),
+                  structure["spec"], leaves)
 
 
 def _grad_leaves(out: Any) -> list[torch.Tensor]:
@@ -202,7 +217,7 @@ def _tensor_type(value: Any) -> str:
 
 
 def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_names: list[str],
-              costs: dict[str, float]) -> Graph:
+              costs: dict[str, float], results: list[Any]) -> Graph:
     fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
     # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
     fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
@@ -250,10 +265,10 @@ def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_name
         cols["fusible"].append(alias_of >= 0 or _pointwise(target))
         cols["workspace"].append(workspace_bytes(node) if node.op == "call_function" else 0)
         cols["tensor"].append(_tensor_type(value))
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
     output = [False] * len(fx_nodes)
-    for node in output_node.all_input_nodes:
-        output[index[node]] = True
+    for node in results:
+        if isinstance(node, torch.fx.Node):
+            output[index[node]] = True
     _backward_paths(cols, edges)
     return Graph.build(edges=edges, output=output, **cols)
 

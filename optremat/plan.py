@@ -1,0 +1,245 @@
+"""`plan()`: from a model, example inputs and a budget to a Plan the checkpoint runtime executes.
+
+The solvers plan on the coarsened graph; the plan is then lowered to checkpoint segments
+and every number a Plan reports (peak, overhead) is the lowered schedule's, simulated on
+every op. When lowering pushes the peak over the budget, the solver runs again with the
+budget reduced by the excess, a few times at most.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from optremat.budget import InfeasibleBudget, resolve_budget
+from optremat.coarsen import coarsen
+from optremat.extract import trace
+from optremat.graph import Graph, format_bytes
+from optremat.ilp.cpsat import Progress
+from optremat.runtime.lower import kept_for_backward, lower
+from optremat.runtime.program import Program, Segment
+from optremat.schedule import Schedule, keep_all, simulate
+from optremat.solution import FEASIBLE, OPTIMAL
+from optremat.solve import SOLVERS, solve
+
+FORMAT_VERSION = 1
+LOWERING_ATTEMPTS = 4
+"""Solves at a reduced budget tried when the lowered plan peaks over the budget."""
+
+
+class PlanMismatch(ValueError):
+    """A plan applied to a model (or inputs) it was not made for."""
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A plan for one model and input shape: what to keep, what to recompute, and its price.
+
+    `predicted_peak_bytes` and `predicted_overhead` are the simulated numbers of the
+    schedule the checkpoint runtime executes. `status` is OPTIMAL only when the solver
+    proved its plan optimal and lowering lost nothing; `lower_bound` is the solver's
+    proven lower bound on the overhead, in the planning model (the coarsened graph, each
+    op computed at most a few times), or None when nothing is proven.
+    """
+
+    graph: Graph
+    schedule: Schedule
+    segments: tuple[Segment, ...]
+    program: tuple[str, ...]
+    program_fingerprint: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    predicted_overhead: float
+    solver: str
+    status: str
+    lower_bound: float | None
+    solve_seconds: float
+    solver_overhead: float
+    training: bool = True
+    runtime: Program | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.graph.fingerprint
+
+    def decisions(self) -> dict[str, str]:
+        """For every forward op of the model: keep, recompute, share (a view or in-place
+        result that holds another tensor's storage) or free (the backward never reads it)."""
+        index = {name: i for i, name in enumerate(self.graph.names)}
+        recomputed = {name for s in self.segments for name in s.recomputed}
+        read_by_backward = np.zeros(self.graph.n, dtype=bool)
+        src, dst = self.graph.edges[:, 0], self.graph.edges[:, 1]
+        read_by_backward[src[self.graph.backward[dst]]] = True
+        out = {}
+        for name in self.program:
+            i = index[name]
+            if name in recomputed:
+                out[name] = "recompute"
+            elif self.graph.alias_of[i] >= 0 and not self.graph.is_part[i]:
+                out[name] = "share"
+            else:
+                out[name] = "keep" if read_by_backward[i] else "free"
+        return out
+
+    def summary(self) -> str:
+        """A few lines: budget, predicted peak and overhead, how the plan was found."""
+        counts = {k: 0 for k in ("keep", "recompute", "share", "free")}
+        for decision in self.decisions().values():
+            counts[decision] += 1
+        bound = "" if self.lower_bound is None else f", proven overhead >= {self.lower_bound:.2%}"
+        lost = self.predicted_overhead - self.solver_overhead
+        lowering = f" ({lost:+.2%} from lowering to checkpoint segments)" if abs(lost) > 5e-5 else ""
+        checkpointed = sum(s.checkpointed for s in self.segments)
+        return "\n".join([
+            f"budget {format_bytes(self.budget_bytes)}: predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"(unplanned {format_bytes(self.baseline_peak_bytes)}, "
+            f"{self.predicted_peak_bytes / self.baseline_peak_bytes:.0%})",
+            f"predicted overhead {self.predicted_overhead:.2%}{lowering}",
+            f"solver {self.solver}: {self.status}{bound}, {self.solve_seconds:.2f} s",
+            f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
+            f"{counts['free']} freed early; {checkpointed} of {len(self.segments)} segments checkpointed",
+        ])
+
+    def explain(self, top: int = 15) -> str:
+        """Why each of the `top` largest forward tensors is kept, recomputed or shared."""
+        graph = self.graph
+        index = {name: i for i, name in enumerate(graph.names)}
+        decisions = self.decisions()
+        largest = sorted(decisions, key=lambda name: -int(graph.size[index[name]]))[:top]
+        reasons = {
+            "keep": "the backward reads it and the budget allows keeping it",
+            "recompute": "the backward reads it; recomputing it is cheaper than the memory",
+            "share": "a view or in-place result: it holds another tensor's storage, no bytes of its own",
+            "free": "the backward never reads it: freed after its last forward use",
+        }
+        lines = []
+        for name in largest:
+            i = index[name]
+            where = graph.module[i] or "(top level)"
+            lines.append(f"{decisions[name]:9s} {format_bytes(int(graph.size[i])):>11s}  {graph.ops[i]:32s} "
+                         f"{where}: {reasons[decisions[name]]}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "optremat.plan",
+            "version": FORMAT_VERSION,
+            "graph": self.graph.to_json(),
+            "schedule": self.schedule.to_json(),
+            "segments": [[s.start, s.stop, None if s.saved is None else sorted(s.saved), sorted(s.recomputed)]
+                         for s in self.segments],
+            "program": list(self.program),
+            "program_fingerprint": self.program_fingerprint,
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "predicted_overhead": self.predicted_overhead,
+            "solver": self.solver,
+            "status": self.status,
+            "lower_bound": self.lower_bound,
+            "solve_seconds": self.solve_seconds,
+            "solver_overhead": self.solver_overhead,
+            "training": self.training,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        if data.get("format") != "optremat.plan":
+            raise ValueError("not an optremat plan (missing format tag)")
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"plan format version {data.get('version')} is not supported "
+                             f"(this optremat reads {FORMAT_VERSION}); plan again")
+        segments = tuple(Segment(start, stop, None if saved is None else frozenset(saved), frozenset(recomputed))
+                         for start, stop, saved, recomputed in data["segments"])
+        fields = {k: v for k, v in data.items() if k not in ("format", "version", "graph", "schedule", "segments",
+                                                             "program")}
+        return cls(graph=Graph.from_json(data["graph"]), schedule=Schedule.from_json(data["schedule"]),
+                   segments=segments, program=tuple(data["program"]), **fields)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as versioned JSON (atomically: a reader never sees half a plan)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_json()))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
+         solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+         cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
+         progress: Progress | None = None) -> Plan:
+    """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
+
+    `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
+    peak; it bounds the step's peak with parameters and gradients included. Raises
+    InfeasibleBudget naming the smallest budget found when no plan fits.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    started = time.perf_counter()
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    traced = trace(model, inputs, loss_fn, cost_model=cost_model, device=device or _model_device(model))
+    graph = traced.graph
+    budget_bytes = resolve_budget(graph, budget)
+    runtime = program_of(model, traced, inputs)
+    index = {name: i for i, name in enumerate(graph.names)}
+    program = np.array([index[name] for name in runtime.names], dtype=np.int64)
+    coarse = coarsen(graph)
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
+
+    target, smallest = budget_bytes, None
+    deadline = started + time_limit
+    for attempt in range(LOWERING_ATTEMPTS):
+        remaining = max(deadline - time.perf_counter(), 1.0) / (2 if attempt + 1 < LOWERING_ATTEMPTS else 1)
+        try:
+            solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
+                             progress=progress)
+        except InfeasibleBudget as error:
+            if smallest is None:
+                raise InfeasibleBudget(budget_bytes, error.smallest, solver, error.proven) from None
+            break
+        fine = coarse.expand(solution.schedule)
+        kept = np.zeros(graph.n, dtype=bool)
+        kept[coarse.original[kept_for_backward(coarse.fine, fine)]] = True
+        lowering = lower(graph, kept, program)
+        result = simulate(graph, lowering.schedule)
+        if result.peak_bytes <= budget_bytes:
+            solver_overhead = solution.cost / graph.total_cost - 1
+            lossless = result.overhead <= solver_overhead + 1e-9
+            status = solution.status if lossless or solution.status != OPTIMAL else FEASIBLE
+            lower_bound = None if solution.lower_bound is None else solution.lower_bound / graph.total_cost - 1
+            return Plan(graph=graph, schedule=lowering.schedule, segments=lowering.segments,
+                        program=tuple(runtime.names), program_fingerprint=runtime.fingerprint,
+                        budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
+                        predicted_overhead=result.overhead, solver=solution.solver, status=status,
+                        lower_bound=lower_bound, solve_seconds=time.perf_counter() - started,
+                        solver_overhead=solver_overhead, training=model.training, runtime=runtime)
+        smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
+        target -= result.peak_bytes - budget_bytes
+        if target <= graph.pinned_bytes:
+            break
+    raise InfeasibleBudget(budget_bytes, smallest, f"{solver} lowered to checkpoint segments")
+
+
+def program_of(model: nn.Module, traced: Any, inputs: tuple) -> Program:
+    """The replayable forward of `model` from its traced step."""
+    return Program(traced, len(dict(model.named_parameters())), len(dict(model.named_buffers())),
+                   len(tree_leaves(inputs)))
+
+
+def _model_device(model: nn.Module) -> str:
+    first = next(iter(model.parameters()), None)
+    return "cpu" if first is None or first.device.type == "cpu" else "h100"

@@ -1,0 +1,75 @@
+"""`apply(model, plan)`: the model, trained under a plan with `torch.utils.checkpoint` segments."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from optremat.extract import trace
+from optremat.plan import Plan, PlanMismatch, program_of
+from optremat.runtime.program import Program, signature_of
+
+
+class Planned(nn.Module):
+    """`model` run under `plan` for training steps, and plainly otherwise.
+
+    Parameters and buffers are the model's own (shared, not copied), so any optimizer,
+    `state_dict` and `load_state_dict` work as on the model, with the same keys. The plan
+    runs only when autograd is recording and the model is in the mode and the inputs have
+    the shapes it was planned for; anything else (eval mode, `torch.no_grad()`, another
+    batch shape) runs the model itself, with a warning for a new shape.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self._program: Program | None = plan.runtime
+        self._warned = False
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled() or self.model.training != self.plan.training:
+            return self.model(*args)
+        leaves = tree_leaves(args)
+        if self._program is None:
+            self._program = self._trace(args)
+        signature = signature_of(leaves)
+        if signature != self._program.signature:
+            if not self._warned:
+                warnings.warn("optremat: inputs differ from those the plan was made for "
+                              f"({_describe(signature)} vs {_describe(self._program.signature)}); "
+                              "running the model unplanned", stacklevel=2)
+                self._warned = True
+            return self.model(*args)
+        params = list(dict(self.model.named_parameters()).values())
+        buffers = list(dict(self.model.named_buffers()).values())
+        return self._program.run(params + buffers + leaves, self.plan.segments)
+
+    def _trace(self, args: tuple) -> Program:
+        program = program_of(self.model, trace(self.model, args), args)
+        if program.fingerprint != self.plan.program_fingerprint:
+            raise PlanMismatch("this plan was made for another model or input shape (program fingerprint "
+                               f"{self.plan.program_fingerprint}, this model gives {program.fingerprint}); plan again")
+        return program
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def apply(model: nn.Module, plan: Plan) -> Planned:
+    """`model` with `plan` applied: same call signature, parameters and gradients."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply needs an optremat Plan, not {type(plan).__name__}")
+    return Planned(model, plan)
+
+
+def _describe(signature: list[Any]) -> str:
+    return ", ".join(f"{str(s[1]).removeprefix('torch.')}{list(s[0])}" if isinstance(s, tuple) else repr(s)
+                     for s in signature)

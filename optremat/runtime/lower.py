@@ -1,0 +1,169 @@
+"""Lower a plan to checkpoint segments, and price exactly what the checkpoint runtime executes.
+
+A plan says which forward tensors are kept for the backward. The checkpoint runtime
+realises it with segments of consecutive forward ops: a segment ends where every tensor
+crossing the boundary is kept anyway, so the next segment's inputs cost nothing extra.
+Inside a checkpointed segment the kept ops are saved; the dropped tensors the backward
+reads, and the dropped ancestors they need within the segment, are recomputed all at once
+when the backward first reads one of the segment's tensors; each recomputed tensor then
+lives until its last backward reader. A tensor the plan drops but that the runtime
+must keep (it sits in a segment with nothing to recompute, it is read by a later
+segment's backward, or an in-place op later overwrites it) is kept, and the lowered
+schedule says so: every number reported for a plan is the lowered schedule's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from optremat.graph import Graph
+from optremat.runtime.program import Segment
+from optremat.schedule import Schedule
+
+
+@dataclass(frozen=True, eq=False)
+class Lowering:
+    """Segments over the program's ops and the schedule they execute on the graph."""
+
+    segments: tuple[Segment, ...]
+    schedule: Schedule
+    saved: np.ndarray
+
+
+def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
+    """Forward nodes whose first computation serves a read in a backward node's stage (by
+    the backward node itself or by a recomputation placed there)."""
+    recomputed_at: dict[int, list[int]] = {}
+    for i, s, _ in schedule.events:
+        if s != i:
+            recomputed_at.setdefault(i, []).append(s)
+    kept = np.zeros(graph.n, dtype=bool)
+    for k, s, _ in schedule.events:
+        if not graph.backward[s]:
+            continue
+        for p in graph.preds[k].tolist():
+            if graph.backward[p] or kept[p]:
+                continue
+            later = [r for r in recomputed_at.get(p, ()) if r < s or (r == s and p < k)]
+            kept[p] = not later
+    return kept
+
+
+def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
+    """Segments that realise `kept` for the forward ops `program` (graph indices, run order)."""
+    n, m = graph.n, len(program)
+    position = np.full(n, -1, dtype=np.int64)
+    position[program] = np.arange(m)
+    succs = graph.succs
+    backward = graph.backward
+    resident = graph.pinned | graph.output
+    base = _storage_base(graph)
+
+    backward_reads = [[int(s) for s in succs[v] if backward[s]] for v in range(n)]
+    last_forward_read = np.full(n, -1, dtype=np.int64)
+    for v in program.tolist():
+        readers = [position[s] if position[s] >= 0 else m for s in succs[v].tolist() if not backward[s]]
+        last_forward_read[v] = max(readers, default=-1)
+
+    saved = np.asarray(kept, dtype=bool).copy()
+    saved[_overwritten(graph, program)] = False
+    saved = _by_storage(graph, saved, base) | resident
+    segments = _segments(program, saved, last_forward_read)
+
+    recompute: dict[int, list[int]] = {}
+    lowered = []
+    for start, stop in segments:
+        members = program[start:stop].tolist()
+        for v in members:
+            if backward_reads[v] and last_forward_read[v] >= stop:
+                saved[v] = True
+        saved = _by_storage(graph, saved, base) | resident
+        needed = _closure(graph, [v for v in members if backward_reads[v] and not saved[v]],
+                          lambda p: start <= position[p] < stop and not saved[p])
+        if not needed:
+            lowered.append(Segment(start, stop))
+            continue
+        t = min(s for v in members for s in backward_reads[v])
+        recompute.setdefault(t, []).extend(needed)
+        lowered.append(Segment(start, stop, frozenset(graph.names[v] for v in members if saved[v]),
+                               frozenset(graph.names[v] for v in needed)))
+    return Lowering(tuple(lowered), _schedule(graph, recompute), saved)
+
+
+def _closure(graph: Graph, nodes: list[int], inside: Callable[[int], bool]) -> list[int]:
+    """`nodes` and their ancestors reachable through nodes for which `inside` holds, sorted."""
+    seen = set(nodes)
+    stack = list(nodes)
+    while stack:
+        for p in graph.preds[stack.pop()].tolist():
+            if p not in seen and inside(p):
+                seen.add(p)
+                stack.append(p)
+    return sorted(seen)
+
+
+def _storage_base(graph: Graph) -> np.ndarray:
+    """The node owning each node's storage (itself unless a view; a part's is its op)."""
+    base = np.arange(graph.n)
+    alias_of = graph.alias_of
+    is_part = graph.is_part
+    for v in range(graph.n):
+        if alias_of[v] >= 0 and not is_part[v]:
+            base[v] = base[alias_of[v]]
+    return base
+
+
+def _by_storage(graph: Graph, saved: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Saving is per storage: a view keeps its base. Each output of a multi-output op is
+    saved on its own, and the op itself is rerun whenever a part it produces is needed."""
+    out = np.zeros_like(saved)
+    np.logical_or.at(out, base, saved)
+    out[graph.alias_of[graph.is_part]] = False
+    return out[base]
+
+
+def _overwritten(graph: Graph, program: np.ndarray) -> list[int]:
+    """Storage bases that an in-place forward op writes: a saved copy would go stale."""
+    base = _storage_base(graph)
+    return [int(base[graph.alias_of[v]]) for v in program.tolist()
+            if graph.alias_of[v] >= 0 and graph.ops[v].split(".")[0].endswith("_")]
+
+
+def _segments(program: np.ndarray, saved: np.ndarray, last_forward_read: np.ndarray) -> list[tuple[int, int]]:
+    """Cut before every op where all tensors crossing the cut are saved (or resident)."""
+    cuts = [0]
+    reach = -1
+    for p, v in enumerate(program.tolist()):
+        if p > 0 and reach < p:
+            cuts.append(p)
+        if not saved[v]:
+            reach = max(reach, int(last_forward_read[v]))
+    cuts.append(len(program))
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _schedule(graph: Graph, recompute: dict[int, list[int]]) -> Schedule:
+    """Each node in its own stage, plus the recomputations; copies live until their last reader."""
+    n = graph.n
+    until = np.arange(n)
+    again: dict[tuple[int, int], int] = {}
+    recomputed_at = {v: t for t, nodes in recompute.items() for v in nodes}
+    for v in range(n):
+        for s in graph.succs[v].tolist():
+            if graph.backward[s] and v in recomputed_at:
+                key = (v, recomputed_at[v])
+                again[key] = max(again.get(key, key[1]), s)
+            else:
+                until[v] = max(until[v], s)
+    for t, nodes in recompute.items():
+        for v in nodes:
+            again.setdefault((v, t), t)
+            for p in graph.preds[v].tolist():
+                if recomputed_at.get(p) != t:
+                    until[p] = max(until[p], t)
+    until[graph.pinned | graph.output] = n - 1
+    events = [(v, v, int(until[v])) for v in range(n)] + [(v, t, u) for (v, t), u in again.items()]
+    return Schedule.from_events(events, n)
