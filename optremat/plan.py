@@ -1,9 +1,10 @@
 """`plan()`: from a model, example inputs and a budget to a Plan the checkpoint runtime executes.
 
-The solvers plan on the coarsened graph; the plan is then lowered to checkpoint segments
-and every number a Plan reports (peak, overhead) is the lowered schedule's, simulated on
-every op. When lowering pushes the peak over the budget, the solver runs again with the
-budget reduced by the excess, a few times at most.
+The solvers plan on the coarsened graph; the plan's keep set is then lowered to checkpoint
+segments and every number a Plan reports (peak, overhead) is the lowered schedule's,
+simulated on every op. When lowering pushes the peak over the budget (the runtime
+recomputes a segment at once, where the solver may place each recomputation just before
+its use), more tensors are dropped, most bytes per recompute-second first, until it fits.
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ from optremat.coarsen import coarsen
 from optremat.extract import trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
-from optremat.runtime.lower import kept_for_backward, lower
+from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower
 from optremat.runtime.program import Program, Segment
 from optremat.schedule import Schedule, keep_all, simulate
 from optremat.solution import FEASIBLE, OPTIMAL
 from optremat.solve import SOLVERS, solve
 
 FORMAT_VERSION = 1
-LOWERING_ATTEMPTS = 4
-"""Solves at a reduced budget tried when the lowered plan peaks over the budget."""
 
 
 class PlanMismatch(ValueError):
@@ -200,38 +199,32 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
 
-    target, smallest = budget_bytes, None
-    deadline = started + time_limit
-    for attempt in range(LOWERING_ATTEMPTS):
-        remaining = max(deadline - time.perf_counter(), 1.0) / (2 if attempt + 1 < LOWERING_ATTEMPTS else 1)
-        try:
-            solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
-                             progress=progress)
-        except InfeasibleBudget as error:
-            if smallest is None:
-                raise InfeasibleBudget(budget_bytes, error.smallest, solver, error.proven) from None
-            break
-        fine = coarse.expand(solution.schedule)
-        kept = np.zeros(graph.n, dtype=bool)
-        kept[coarse.original[kept_for_backward(coarse.fine, fine)]] = True
-        lowering = lower(graph, kept, program)
-        result = simulate(graph, lowering.schedule)
-        if result.peak_bytes <= budget_bytes:
-            solver_overhead = solution.cost / graph.total_cost - 1
-            lossless = result.overhead <= solver_overhead + 1e-9
-            status = solution.status if lossless or solution.status != OPTIMAL else FEASIBLE
-            lower_bound = None if solution.lower_bound is None else solution.lower_bound / graph.total_cost - 1
-            return Plan(graph=graph, schedule=lowering.schedule, segments=lowering.segments,
-                        program=tuple(runtime.names), program_fingerprint=runtime.fingerprint,
-                        budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
-                        predicted_overhead=result.overhead, solver=solution.solver, status=status,
-                        lower_bound=lower_bound, solve_seconds=time.perf_counter() - started,
-                        solver_overhead=solver_overhead, training=model.training, runtime=runtime)
-        smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
-        target -= result.peak_bytes - budget_bytes
-        if target <= graph.pinned_bytes:
-            break
-    raise InfeasibleBudget(budget_bytes, smallest, f"{solver} lowered to checkpoint segments")
+    try:
+        solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
+                         progress=progress)
+    except InfeasibleBudget as error:
+        raise InfeasibleBudget(budget_bytes, error.smallest, solver, error.proven) from None
+    kept = np.zeros(graph.n, dtype=bool)
+    kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
+    candidates = [fit(graph, kept, program, budget_bytes)]
+    for keep_set in boundary_keep_sets(graph, program):
+        lowered = lower(graph, keep_set, program)
+        candidates.append((lowered, simulate(graph, lowered.schedule)))
+    fitting = [c for c in candidates if c[1].peak_bytes <= budget_bytes]
+    if not fitting:
+        smallest = min(c[1].peak_bytes for c in candidates)
+        raise InfeasibleBudget(budget_bytes, smallest, f"{solver} lowered to checkpoint segments")
+    lowering, result = min(fitting, key=lambda c: c[1].cost)
+    solver_overhead = solution.cost / graph.total_cost - 1
+    lossless = result.overhead <= solver_overhead + 1e-9
+    return Plan(graph=graph, schedule=lowering.schedule, segments=lowering.segments,
+                program=tuple(runtime.names), program_fingerprint=runtime.fingerprint,
+                budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
+                predicted_overhead=result.overhead, solver=solution.solver,
+                status=solution.status if lossless or solution.status != OPTIMAL else FEASIBLE,
+                lower_bound=None if solution.lower_bound is None else solution.lower_bound / graph.total_cost - 1,
+                solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead,
+                training=model.training, runtime=runtime)
 
 
 def program_of(model: nn.Module, traced: Any, inputs: tuple) -> Program:

@@ -21,7 +21,8 @@ import numpy as np
 
 from optremat.graph import Graph
 from optremat.runtime.program import Segment
-from optremat.schedule import Schedule
+from optremat.heuristics.benefit import drop_order
+from optremat.schedule import Schedule, SimResult, simulate
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +75,7 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
     segments = _segments(program, saved, last_forward_read)
 
     recompute: dict[int, list[int]] = {}
+    held: dict[int, int] = {}
     lowered = []
     for start, stop in segments:
         members = program[start:stop].tolist()
@@ -88,9 +90,84 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
             continue
         t = min(s for v in members for s in backward_reads[v])
         recompute.setdefault(t, []).extend(needed)
+        for v in members:
+            for p in graph.preds[v].tolist():
+                if not start <= position[p] < stop:
+                    held[p] = max(held.get(p, t), t)
         lowered.append(Segment(start, stop, frozenset(graph.names[v] for v in members if saved[v]),
                                frozenset(graph.names[v] for v in needed)))
-    return Lowering(tuple(lowered), _schedule(graph, recompute), saved)
+    return Lowering(tuple(lowered), _schedule(graph, recompute, held), saved)
+
+
+def fit(graph: Graph, kept: np.ndarray, program: np.ndarray, budget: int) -> tuple[Lowering, SimResult]:
+    """The lowering of `kept` less the shortest prefix of the benefit order (most bytes
+    per recompute-second first) whose simulated peak fits `budget`, or, when none fits,
+    the one that drops the whole order (the least peak this search reaches)."""
+    order = [v for v in drop_order(graph).tolist() if kept[v]]
+
+    def attempt(count: int) -> tuple[Lowering, SimResult]:
+        dropped = np.asarray(kept, dtype=bool).copy()
+        dropped[order[:count]] = False
+        lowering = lower(graph, dropped, program)
+        return lowering, simulate(graph, lowering.schedule)
+
+    best = attempt(0)
+    if best[1].peak_bytes <= budget:
+        return best
+    smallest = attempt(len(order))
+    if smallest[1].peak_bytes > budget:
+        return smallest
+    best, lo, hi = smallest, 1, len(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        trial = attempt(mid)
+        if trial[1].peak_bytes <= budget:
+            best, hi = trial, mid
+        else:
+            lo = mid + 1
+    return best
+
+
+def boundary_keep_sets(graph: Graph, program: np.ndarray, thresholds: int = 12) -> list[np.ndarray]:
+    """Chen-style keep sets for the segment runtime: walk the forward and, once a segment
+    holds more than a threshold of bytes, end it at the nearby op where the fewest bytes
+    cross; keep exactly what crosses the chosen boundaries. Thresholds sweep geometrically."""
+    m = len(program)
+    position = np.full(graph.n, -1, dtype=np.int64)
+    position[program] = np.arange(m)
+    base = _storage_base(graph)
+    size = np.where(graph.alias_of[program] < 0, graph.size[program], 0).astype(np.int64)
+    reach = np.full(graph.n, -1, dtype=np.int64)
+    for k, v in enumerate(program.tolist()):
+        reads = [position[s] if position[s] >= 0 else m for s in graph.succs[v].tolist() if not graph.backward[s]]
+        reach[base[v]] = max([reach[base[v]], k] + reads)
+    last_read = reach[program]
+    crossing = np.zeros(m + 2, dtype=np.int64)
+    np.add.at(crossing, np.arange(m) + 1, size)
+    np.add.at(crossing, np.maximum(last_read, np.arange(m)) + 1, -size)
+    crossing = np.cumsum(crossing)[:m + 1]
+    total = int(size.sum())
+    if total == 0:
+        return []
+    keep_sets = []
+    for threshold in np.geomspace(max(int(size[size > 0].min()), 1), total, thresholds):
+        cuts, since, p = [], 0, 1
+        while p < m:
+            since += int(size[p - 1])
+            if since >= threshold:
+                window, extra = [p], since
+                while extra < 1.5 * threshold and window[-1] + 1 < m:
+                    extra += int(size[window[-1]])
+                    window.append(window[-1] + 1)
+                p = min(window, key=lambda q: (crossing[q], q))
+                cuts.append(p)
+                since = 0
+            p += 1
+        kept = np.zeros(graph.n, dtype=bool)
+        for cut in cuts:
+            kept[program[(np.arange(m) < cut) & (last_read >= cut)]] = True
+        keep_sets.append(kept)
+    return keep_sets
 
 
 def _closure(graph: Graph, nodes: list[int], inside: Callable[[int], bool]) -> list[int]:
@@ -145,8 +222,9 @@ def _segments(program: np.ndarray, saved: np.ndarray, last_forward_read: np.ndar
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _schedule(graph: Graph, recompute: dict[int, list[int]]) -> Schedule:
-    """Each node in its own stage, plus the recomputations; copies live until their last reader."""
+def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int]) -> Schedule:
+    """Each node in its own stage, plus the recomputations; copies live until their last
+    reader, and a checkpointed segment's inputs until its recomputation (`held`)."""
     n = graph.n
     until = np.arange(n)
     again: dict[tuple[int, int], int] = {}
@@ -164,6 +242,8 @@ def _schedule(graph: Graph, recompute: dict[int, list[int]]) -> Schedule:
             for p in graph.preds[v].tolist():
                 if recomputed_at.get(p) != t:
                     until[p] = max(until[p], t)
+    for v, t in held.items():
+        until[v] = max(until[v], t)
     until[graph.pinned | graph.output] = n - 1
     events = [(v, v, int(until[v])) for v in range(n)] + [(v, t, u) for (v, t), u in again.items()]
     return Schedule.from_events(events, n)

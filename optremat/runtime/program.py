@@ -115,7 +115,8 @@ class Program:
         local_last = {p: i for i, n in enumerate(nodes) for p in n.all_input_nodes}
         scratch = {b: resident[b].detach().clone() for n in nodes for b in _mutated(n) if b in self.buffers}
         replay = _Replay({n: _saved_outputs(n, segment.saved) for n in nodes if not _returns_alias(n)},
-                         {n for n in nodes if n.name in segment.recomputed})
+                         {n for n in nodes if n.name in segment.recomputed
+                          or (n.name in segment.saved and _returns_alias(n))})
         rng_states: dict[torch.fx.Node, Any] = {}
 
         def run_segment(*values: Any) -> tuple:
@@ -257,7 +258,8 @@ def signature_of(leaves: list[Any]) -> list[Any]:
 
 
 def _returns_alias(node: torch.fx.Node) -> bool:
-    """Views and in-place ops: their output is another tensor's storage, never worth storing."""
+    """Views and in-place ops: their output is another tensor's storage. Rather than stored,
+    a saved one is rerun on its (saved) base when the segment is recomputed."""
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
