@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from optremat.extract import trace
 from optremat.plan import Plan, PlanMismatch, program_of
-from optremat.runtime.program import Program, signature_of
+from optremat.runtime.program import Program, autocast_state, signature_of
 
 
 class Planned(nn.Module):
@@ -38,11 +38,11 @@ class Planned(nn.Module):
         if self._program is None:
             self._program = self._trace(args)
         signature = signature_of(leaves)
-        if signature != self._program.signature:
+        if signature != self._program.signature or autocast_state() != self._program.autocast:
             if not self._warned:
-                warnings.warn("optremat: inputs differ from those the plan was made for "
-                              f"({_describe(signature)} vs {_describe(self._program.signature)}); "
-                              "running the model unplanned", stacklevel=2)
+                warnings.warn("optremat: inputs or autocast differ from those the plan was made for "
+                              f"({_describe(signature)} {autocast_state()} vs {_describe(self._program.signature)} "
+                              f"{self._program.autocast}); running the model unplanned", stacklevel=2)
                 self._warned = True
             return self.model(*args)
         params = list(dict(self.model.named_parameters()).values())

@@ -55,6 +55,7 @@ class Program:
         self.buffers = frozenset(placeholders[num_params:num_params + num_buffers])
         self.inputs = placeholders[:num_params + num_buffers + num_inputs]
         self.signature = signature_of([n.meta.get("val") for n in self.inputs[num_params + num_buffers:]])
+        self.autocast = autocast_state()
         self.constants = {n: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         by_name = {n.name: n for n in gm.graph.nodes}
         self.output_spec = traced.output_spec
@@ -255,6 +256,12 @@ def _mutated(node: torch.fx.Node) -> list[torch.fx.Node]:
 def signature_of(leaves: list[Any]) -> list[Any]:
     """Shape, dtype and device of each tensor (other values as they are): what a plan is for."""
     return [(tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
+def autocast_state() -> tuple:
+    """Which autocast regions are active: a plan traced under autocast holds its casts."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
 
 
 def _returns_alias(node: torch.fx.Node) -> bool:

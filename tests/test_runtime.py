@@ -1,0 +1,255 @@
+"""The checkpoint runtime through the public API: plan, apply, train, compare with the model."""
+
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+import optremat
+from optremat.models import GPT, build
+from optremat.runtime.measure import measure_peak
+
+
+def deep_mlp() -> tuple[nn.Module, tuple, callable]:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(64, 64), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(64, 4)).double()
+    x = torch.randn(256, 64, dtype=torch.float64)
+    return model, (x,), lambda out: out.pow(2).mean()
+
+
+class ConvNet(nn.Module):
+    """Conv, BatchNorm (running statistics), dropout and a residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                                  nn.Dropout(0.3)) for _ in range(4))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def convnet() -> tuple[nn.Module, tuple, callable]:
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 24, 24, dtype=torch.float64)
+    return ConvNet().double(), (x,), lambda out: out.pow(2).mean()
+
+
+def gpt_dropout() -> tuple[nn.Module, tuple, callable]:
+    torch.manual_seed(0)
+    model = GPT(64, 32, 32, 3, 4, dropout=0.2).double()
+    idx = torch.randint(0, 64, (16, 32))
+    return model, (idx,), lambda out: out.pow(2).mean()
+
+
+MODELS = {"deep-mlp": deep_mlp, "convnet": convnet, "gpt-dropout": gpt_dropout}
+
+
+def train_step(module: nn.Module, model: nn.Module, inputs: tuple, loss_fn, state: dict, seed: int = 7):
+    """One step from `state`: the loss, every parameter's gradient and every buffer after it."""
+    model.load_state_dict(state)
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = loss_fn(module(*inputs))
+    loss.backward()
+    return (loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()},
+            {k: b.clone() for k, b in model.named_buffers()})
+
+
+def assert_same_step(got, want, tolerance: float = 1e-10) -> None:
+    assert torch.equal(got[0], want[0]) or abs(float(got[0] - want[0])) <= tolerance * abs(float(want[0]))
+    for name, grad in want[1].items():
+        error = float((got[1][name] - grad).abs().max() / grad.abs().max().clamp_min(1e-300))
+        assert error <= tolerance, f"gradient of {name} differs by {error:.2e}"
+    for name, buffer in want[2].items():
+        assert torch.equal(got[2][name], buffer), f"buffer {name} differs after the step"
+
+
+def resnet_tiny() -> tuple[nn.Module, tuple, callable]:
+    example = build("resnet-tiny", dtype=torch.float64)
+    return example.model, example.inputs, example.loss_fn
+
+
+MODELS["resnet-tiny"] = resnet_tiny
+
+
+@pytest.mark.parametrize("name,budget", [("deep-mlp", 0.6), ("convnet", 0.7), ("gpt-dropout", 0.8),
+                                         ("resnet-tiny", 0.7)])
+def test_planned_step_equals_unplanned_step(name: str, budget: float) -> None:
+    model, inputs, loss_fn = MODELS[name]()
+    state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, inputs, loss_fn, state)
+    plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=5)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    assert any(s.recomputed for s in plan.segments), "the plan should recompute something at this budget"
+    got = train_step(optremat.apply(model, plan), model, inputs, loss_fn, state)
+    assert_same_step(got, want)
+
+
+def test_dropout_masks_survive_recomputation() -> None:
+    model, inputs, loss_fn = convnet()
+    state = copy.deepcopy(model.state_dict())
+    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    recomputed = [plan.graph.ops[plan.graph.names.index(n)] for s in plan.segments for n in s.recomputed]
+    assert any(op.startswith(("bernoulli", "native_dropout")) for op in recomputed), recomputed
+    trained = optremat.apply(model, plan)
+    for seed in (1, 2):
+        assert_same_step(train_step(trained, model, inputs, loss_fn, state, seed),
+                         train_step(model, model, inputs, loss_fn, state, seed))
+
+
+def test_gradient_accumulation_over_micro_batches() -> None:
+    model, (x,), loss_fn = deep_mlp()
+    state = copy.deepcopy(model.state_dict())
+    plan = optremat.plan(model, (x[:128],), 0.7, loss_fn=loss_fn, time_limit=5)
+    trained = optremat.apply(model, plan)
+
+    def accumulate(module: nn.Module) -> dict:
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+        for chunk in x.split(128):
+            loss_fn(module(chunk)).backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    want, got = accumulate(model), accumulate(trained)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=0)
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class TiedOutputs(nn.Module):
+    """Tied input/output embedding, a dict input and a nested structured output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.body = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
+                                  nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 16), nn.Tanh())
+        self.out = nn.Linear(16, 32, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, batch: dict) -> dict:
+        hidden = self.body(self.embed(batch["ids"]))
+        return {"out": Output(self.out(hidden), hidden), "scale": 2}
+
+
+def test_tied_weights_dict_inputs_and_structured_outputs() -> None:
+    torch.manual_seed(0)
+    model = TiedOutputs().double()
+    batch = {"ids": torch.randint(0, 32, (256, 16))}
+
+    def loss_fn(result: dict) -> torch.Tensor:
+        return result["scale"] * result["out"].logits.pow(2).mean() + result["out"].hidden.mean()
+
+    state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, (batch,), loss_fn, state)
+    plan = optremat.plan(model, (batch,), 1.0, time_limit=5)
+    trained = optremat.apply(model, plan)
+    got = train_step(trained, model, (batch,), loss_fn, state)
+    assert_same_step(got, want)
+    assert isinstance(trained(batch)["out"], Output)
+
+
+def test_autocast_plan_runs_under_autocast() -> None:
+    torch.manual_seed(0)
+    model = GPT(64, 32, 32, 2, 4, dropout=0.1)
+    idx = torch.randint(0, 64, (8, 32))
+    loss_fn = lambda out: out.float().pow(2).mean()  # noqa: E731
+    state = copy.deepcopy(model.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = optremat.plan(model, (idx,), 0.9, loss_fn=loss_fn, time_limit=5)
+        trained = optremat.apply(model, plan)
+        got = train_step(trained, model, (idx,), loss_fn, state)
+        want = train_step(model, model, (idx,), loss_fn, state)
+    assert_same_step(got, want, tolerance=1e-5)
+
+
+def test_eval_no_grad_and_other_shapes_run_the_model_itself() -> None:
+    model, (x,), loss_fn = deep_mlp()
+    plan = optremat.plan(model, (x,), 0.6, loss_fn=loss_fn, time_limit=5)
+    trained = optremat.apply(model, plan)
+    assert trained.state_dict().keys() == model.state_dict().keys()
+    assert list(trained.parameters()) == list(model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(trained(x), model(x), rtol=0, atol=0)
+    trained.eval()
+    torch.testing.assert_close(trained(x), model(x), rtol=0, atol=0)
+    trained.train()
+    with pytest.warns(UserWarning, match="running the model unplanned"):
+        out = trained(x[:10])
+    torch.testing.assert_close(out, model(x[:10]), rtol=0, atol=0)
+
+
+def test_saved_plan_applies_after_loading_and_refuses_another_model(tmp_path) -> None:
+    model, inputs, loss_fn = convnet()
+    state = copy.deepcopy(model.state_dict())
+    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = optremat.Plan.load(path)
+    assert loaded.runtime is None
+    assert (loaded.fingerprint, loaded.predicted_peak_bytes, loaded.segments) == \
+        (plan.fingerprint, plan.predicted_peak_bytes, plan.segments)
+    assert_same_step(train_step(optremat.apply(model, loaded), model, inputs, loss_fn, state),
+                     train_step(model, model, inputs, loss_fn, state))
+    other, other_inputs, _ = deep_mlp()
+    with pytest.raises(optremat.PlanMismatch, match="another model"):
+        optremat.apply(other, loaded)(*other_inputs)
+
+
+def test_summary_and_explain_name_the_decisions() -> None:
+    model, inputs, loss_fn = convnet()
+    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    summary = plan.summary()
+    assert "predicted peak" in summary and "overhead" in summary and plan.solver in summary
+    lines = plan.explain(top=5).splitlines()
+    assert len(lines) == 5 and any(line.startswith("recompute") for line in plan.explain(top=50).splitlines())
+    assert set(plan.decisions().values()) <= {"keep", "recompute", "share", "free"}
+
+
+def test_infeasible_budget_names_the_smallest() -> None:
+    model, inputs, loss_fn = deep_mlp()
+    with pytest.raises(optremat.InfeasibleBudget) as error:
+        optremat.plan(model, inputs, 0.05, loss_fn=loss_fn, time_limit=5)
+    assert error.value.smallest > error.value.budget
+
+
+def test_measured_peak_follows_the_plan() -> None:
+    model, inputs, loss_fn = deep_mlp()
+    model, inputs = model.float(), tuple(x.float() for x in inputs)
+    plan = optremat.plan(model, inputs, 0.6, loss_fn=loss_fn, time_limit=5)
+    trained = optremat.apply(model, plan)
+    params = list(model.parameters())
+
+    def step() -> tuple:
+        return torch.autograd.grad(loss_fn(trained(*inputs)), params)
+
+    step()
+    measured = measure_peak(step, resident=[params, inputs]).peak_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes
+    assert measured <= plan.budget_bytes * 1.10
+
+
+def test_planned_step_is_bitwise_equal_in_float64() -> None:
+    model, inputs, loss_fn = gpt_dropout()
+    state = copy.deepcopy(model.state_dict())
+    plan = optremat.plan(model, inputs, 0.9, loss_fn=loss_fn, time_limit=5)
+    assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state),
+                     train_step(model, model, inputs, loss_fn, state), tolerance=0)
