@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from optremat.budget import InfeasibleBudget
 from optremat.coarsen import coarsen
@@ -61,42 +61,36 @@ def _graph_command(args: argparse.Namespace) -> int:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
+    def progress(elapsed: float, cost: float, bound: float, total: float) -> None:
+        print(f"  {elapsed:7.1f} s  overhead {cost / total - 1:8.2%}  bound {bound / total - 1:8.2%}",
+              file=sys.stderr, flush=True)
+
+    if args.model:
+        return _plan_model(args, progress)
     from optremat.budget import resolve_budget
     from optremat.solve import solve
 
-    graph, source = _load(args)
-    coarse = None if args.graph else coarsen(graph)
-    if coarse is not None:
-        graph = coarse.fine
-    planned = graph if coarse is None else coarse.coarse
+    graph = Graph.load(args.graph)
     budget = resolve_budget(graph, _budget(args.budget))
-
-    def progress(elapsed: float, cost: float, bound: float) -> None:
-        print(f"  {elapsed:7.1f} s  overhead {cost / planned.total_cost - 1:8.2%}  "
-              f"bound {bound / planned.total_cost - 1:8.2%}", file=sys.stderr, flush=True)
-
-    solution = solve(planned, budget, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
-                     seed=args.seed, deterministic=args.deterministic, progress=progress if args.progress else None)
-    schedule = solution.schedule if coarse is None else coarse.expand(solution.schedule)
-    result = simulate(graph, schedule)
+    solution = solve(graph, budget, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
+                     seed=args.seed, deterministic=args.deterministic,
+                     progress=(lambda e, c, b: progress(e, c, b, graph.total_cost)) if args.progress else None)
+    result = simulate(graph, solution.schedule)
     unplanned = simulate(graph, keep_all(graph))
-    if result.peak_bytes > budget:
-        print(f"optremat: warning: on every op the plan peaks at {format_bytes(result.peak_bytes)}, over the budget: "
-              "the coarse graph undercounts this model's storage", file=sys.stderr)
     if args.save:
         with open(args.save, "w") as f:
-            json.dump(schedule.to_json(), f)
+            json.dump(solution.schedule.to_json(), f)
     report = {
-        "source": source, "nodes": graph.n, "planned_nodes": planned.n, "solver": solution.solver,
-        "status": solution.status, "budget_bytes": budget, "peak_bytes": result.peak_bytes,
-        "unplanned_peak_bytes": unplanned.peak_bytes, "overhead": result.overhead,
-        "lower_bound_overhead": None if solution.lower_bound is None else solution.lower_bound / planned.total_cost - 1,
+        "source": args.graph, "nodes": graph.n, "solver": solution.solver, "status": solution.status,
+        "budget_bytes": budget, "peak_bytes": result.peak_bytes, "unplanned_peak_bytes": unplanned.peak_bytes,
+        "overhead": result.overhead,
+        "lower_bound_overhead": None if solution.lower_bound is None else solution.lower_bound / graph.total_cost - 1,
         "gap": solution.gap, "recomputations": result.recomputations, "solve_seconds": solution.seconds,
     }
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{source}: {graph.n} nodes" + ("" if args.graph else f", planned on {planned.n} coarse nodes"))
+    print(f"{args.graph}: {graph.n} nodes")
     print(f"budget {format_bytes(budget)}: peak {format_bytes(result.peak_bytes)} "
           f"(unplanned {format_bytes(unplanned.peak_bytes)}), overhead {result.overhead:.2%}, "
           f"{result.recomputations} recomputations")
@@ -106,6 +100,78 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.save:
         print(f"schedule written to {args.save}")
     return 0
+
+
+def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
+    from optremat.models import build
+    from optremat.plan import plan
+
+    example = build(args.model)
+    result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,
+                  loss_fn=example.loss_fn, device=args.device, workers=args.workers, seed=args.seed,
+                  progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None)
+    if args.save:
+        result.save(args.save)
+    if args.json:
+        print(json.dumps(_plan_report(args.model, result)))
+        return 0
+    print(f"built-in model {args.model}: {result.graph.n} ops")
+    print(result.summary())
+    if args.save:
+        print(f"plan written to {args.save}")
+    return 0
+
+
+def _plan_report(source: str, result: Any) -> dict[str, Any]:
+    return {
+        "source": source, "nodes": result.graph.n, "solver": result.solver, "status": result.status,
+        "budget_bytes": result.budget_bytes, "peak_bytes": result.predicted_peak_bytes,
+        "unplanned_peak_bytes": result.baseline_peak_bytes, "overhead": result.predicted_overhead,
+        "lower_bound_overhead": result.lower_bound, "solver_overhead": result.solver_overhead,
+        "segments": len(result.segments), "checkpointed_segments": sum(s.checkpointed for s in result.segments),
+        "solve_seconds": result.solve_seconds, "fingerprint": result.fingerprint,
+    }
+
+
+def _show_command(args: argparse.Namespace) -> int:
+    from optremat.plan import Plan
+
+    result = Plan.load(args.plan)
+    if args.plot:
+        _plot(result, args.plot)
+    if args.json:
+        print(json.dumps(_plan_report(args.plan, result)))
+        return 0
+    print(result.summary())
+    print()
+    print(result.explain(top=args.top))
+    if args.plot:
+        print(f"memory plot written to {args.plot}")
+    return 0
+
+
+def _plot(result: Any, path: str) -> None:
+    """Live bytes over the step, planned vs unplanned, recomputations marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    graph = result.graph
+    planned, unplanned = simulate(graph, result.schedule), simulate(graph, keep_all(graph))
+    events = result.schedule.events
+    recomputed = [k for k, (i, s, _) in enumerate(events) if s != i]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(unplanned.curve / 2**20, label="unplanned", color="0.6")
+    ax.plot(planned.curve / 2**20, label="planned", color="C0")
+    ax.scatter(recomputed, planned.curve[recomputed] / 2**20, s=6, color="C3", label="recomputation", zorder=3)
+    ax.axhline(result.budget_bytes / 2**20, color="C1", linestyle="--", label="budget")
+    ax.set_xlabel("op (execution order)")
+    ax.set_ylabel("live MiB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _budget(text: str) -> int | float | str:
@@ -146,9 +212,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--deterministic", action="store_true", help="reproducible solver runs")
     plan.add_argument("--progress", action="store_true", help="print each improving plan and bound to stderr")
-    plan.add_argument("--save", help="write the schedule as JSON")
+    plan.add_argument("--save", help="write the plan (a model) or the schedule (a graph file) as JSON")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     plan.set_defaults(run=_plan_command)
+    show = commands.add_parser("show", help="summarise a saved plan and explain its largest decisions")
+    show.add_argument("plan", help="a plan written by `optremat plan --model ... --save`")
+    show.add_argument("--plot", help="write memory over the step (planned vs unplanned) to this image")
+    show.add_argument("--top", type=int, default=15, help="how many of the largest tensors to explain")
+    show.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    show.set_defaults(run=_show_command)
     return parser
 
 

@@ -4,7 +4,9 @@ The solvers plan on the coarsened graph; the plan's keep set is then lowered to 
 segments and every number a Plan reports (peak, overhead) is the lowered schedule's,
 simulated on every op. When lowering pushes the peak over the budget (the runtime
 recomputes a segment at once, where the solver may place each recomputation just before
-its use), more tensors are dropped, most bytes per recompute-second first, until it fits.
+its use), more tensors are dropped, most bytes per recompute-second first, until it fits;
+keep sets built for segments (Chen-style boundaries where the fewest bytes cross) compete
+too, and the cheapest plan that fits wins ("segments" names a plan of the latter kind).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from optremat.ilp.cpsat import Progress
 from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower
 from optremat.runtime.program import Program, Segment
 from optremat.schedule import Schedule, keep_all, simulate
-from optremat.solution import FEASIBLE, OPTIMAL
+from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
 from optremat.solve import SOLVERS, solve
 
 FORMAT_VERSION = 1
@@ -184,7 +186,9 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
     peak; it bounds the step's peak with parameters and gradients included. Raises
-    InfeasibleBudget naming the smallest budget found when no plan fits.
+    InfeasibleBudget naming the smallest budget found when no plan fits. `progress`, if
+    given, is called as the exact solver improves: (seconds, overhead, proven lower bound
+    on the overhead).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -199,30 +203,38 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
 
+    total = graph.total_cost
+    relative = None if progress is None else (lambda e, cost, bound: progress(e, cost / total - 1, bound / total - 1))
+    solution = None
+    kept = np.ones(graph.n, dtype=bool)
     try:
         solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
-                         progress=progress)
-    except InfeasibleBudget as error:
-        raise InfeasibleBudget(budget_bytes, error.smallest, solver, error.proven) from None
-    kept = np.zeros(graph.n, dtype=bool)
-    kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
-    candidates = [fit(graph, kept, program, budget_bytes)]
+                         progress=relative)
+        kept[:] = False
+        kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
+    except InfeasibleBudget:
+        pass
+    candidates = [(solution is not None, *fit(graph, kept, program, budget_bytes))]
     for keep_set in boundary_keep_sets(graph, program):
         lowered = lower(graph, keep_set, program)
-        candidates.append((lowered, simulate(graph, lowered.schedule)))
-    fitting = [c for c in candidates if c[1].peak_bytes <= budget_bytes]
+        candidates.append((False, lowered, simulate(graph, lowered.schedule)))
+    fitting = [c for c in candidates if c[2].peak_bytes <= budget_bytes]
     if not fitting:
-        smallest = min(c[1].peak_bytes for c in candidates)
-        raise InfeasibleBudget(budget_bytes, smallest, f"{solver} lowered to checkpoint segments")
-    lowering, result = min(fitting, key=lambda c: c[1].cost)
-    solver_overhead = solution.cost / graph.total_cost - 1
-    lossless = result.overhead <= solver_overhead + 1e-9
+        raise InfeasibleBudget(budget_bytes, min(c[2].peak_bytes for c in candidates),
+                               f"{solver} on the checkpoint runtime")
+    from_solver, lowering, result = min(fitting, key=lambda c: c[2].cost)
+    if from_solver:
+        solver_overhead = solution.cost / total - 1
+        lossless = result.overhead <= solver_overhead + 1e-9
+        name, status = solution.solver, solution.status if lossless or solution.status != OPTIMAL else FEASIBLE
+    else:
+        solver_overhead = result.overhead
+        name, status = "segments", FEASIBLE if solution is not None and solution.lower_bound is not None else HEURISTIC
     return Plan(graph=graph, schedule=lowering.schedule, segments=lowering.segments,
                 program=tuple(runtime.names), program_fingerprint=runtime.fingerprint,
                 budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
-                predicted_overhead=result.overhead, solver=solution.solver,
-                status=solution.status if lossless or solution.status != OPTIMAL else FEASIBLE,
-                lower_bound=None if solution.lower_bound is None else solution.lower_bound / graph.total_cost - 1,
+                predicted_overhead=result.overhead, solver=name, status=status,
+                lower_bound=None if solution is None or solution.lower_bound is None else solution.lower_bound / total - 1,
                 solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead,
                 training=model.training, runtime=runtime)
 

@@ -72,9 +72,23 @@ def test_plan_exit_codes_for_bad_and_infeasible_budgets(tmp_path):
     assert "smallest feasible budget" in infeasible.stderr and infeasible.stderr.strip().count("\n") == 0
 
 
-def test_plan_a_builtin_model_on_its_coarse_graph():
-    result = run("plan", "--model", "gpt-tiny", "--budget", "0.9", "--time-limit", "10", "--json")
+def test_plan_a_builtin_model_then_show_it(tmp_path):
+    plan_file, plot = tmp_path / "plan.json", tmp_path / "memory.png"
+    result = run("plan", "--model", "resnet-tiny", "--budget", "0.9", "--time-limit", "10", "--json",
+                 "--save", str(plan_file))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["planned_nodes"] < report["nodes"]
-    assert report["peak_bytes"] <= report["budget_bytes"]
+    assert report["peak_bytes"] <= report["budget_bytes"] < report["unplanned_peak_bytes"]
+    assert report["checkpointed_segments"] > 0
+    shown = run("show", str(plan_file), "--plot", str(plot), "--top", "3")
+    assert shown.returncode == 0, shown.stderr
+    assert "predicted peak" in shown.stdout and plot.stat().st_size > 0
+    assert sum(line.split()[:1] in (["keep"], ["recompute"], ["share"], ["free"]) for line in shown.stdout.splitlines()) == 3
+    again = json.loads(run("show", str(plan_file), "--json").stdout)
+    assert again["peak_bytes"] == report["peak_bytes"] and again["fingerprint"] == report["fingerprint"]
+
+
+def test_show_rejects_a_file_that_is_not_a_plan(tmp_path):
+    (tmp_path / "x.json").write_text('{"format": "something else"}')
+    result = run("show", str(tmp_path / "x.json"))
+    assert result.returncode == 2 and "not an optremat plan" in result.stderr

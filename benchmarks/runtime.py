@@ -1,0 +1,99 @@
+"""Plans executed: predicted vs measured peak and step-time overhead of the checkpoint runtime.
+
+    python -m benchmarks.runtime [--models gpt-tiny,resnet-tiny,...] [--budgets 0.3,0.5,0.7,0.9]
+                                 [--limit 30] [--runs 5]
+
+For each built-in model and budget (a fraction of the unplanned simulated peak) it plans
+with `optremat.plan(..., solver="auto")`, applies the plan, and runs float32 training
+steps on the CPU: the measured peak (profiler memory events) against the plan's predicted
+peak, and the step-time overhead as the median, over `runs` interleaved pairs, of planned
+over unplanned step time. Writes benchmarks/runtime.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import optremat
+from optremat.graph import format_bytes
+from optremat.models import build
+from optremat.runtime.measure import measure_peak
+
+OUT = Path(__file__).with_name("runtime.md")
+DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
+
+
+def rows(name: str, budgets: list[float], limit: float, runs: int) -> list[list[str]]:
+    example = build(name)
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(module: torch.nn.Module) -> tuple:
+        return torch.autograd.grad(loss_fn(module(*inputs)), params)
+
+    out = []
+    for fraction in budgets:
+        started = time.perf_counter()
+        try:
+            plan = optremat.plan(model, inputs, fraction, loss_fn=loss_fn, time_limit=limit)
+        except optremat.InfeasibleBudget as error:
+            out.append([name, f"{fraction:.0%}", f"infeasible (smallest {format_bytes(error.smallest)}, "
+                        f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7)
+            continue
+        seconds = time.perf_counter() - started
+        trained = optremat.apply(model, plan)
+        step(trained)
+        measured = measure_peak(lambda: step(trained), resident=[params, list(model.buffers()), inputs]).peak_bytes
+        ratios = []
+        for _ in range(runs):
+            times = []
+            for module in (model, trained):
+                begin = time.perf_counter()
+                step(module)
+                times.append(time.perf_counter() - begin)
+            ratios.append(times[1] / times[0])
+        out.append([name, f"{fraction:.0%}", f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
+                    format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
+                    f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
+                    f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"])
+    return out
+
+
+def _baseline(model: torch.nn.Module, inputs: tuple, loss_fn) -> int:
+    graph = optremat.extract(model, inputs, loss_fn)
+    return optremat.simulate(graph, optremat.keep_all(graph)).peak_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=DEFAULT_MODELS)
+    parser.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
+    parser.add_argument("--limit", type=float, default=30.0, help="solver time limit per plan, seconds")
+    parser.add_argument("--runs", type=int, default=5, help="interleaved timing pairs per plan")
+    args = parser.parse_args()
+    header = ["model", "budget", "plan", "predicted peak", "measured peak", "measured vs predicted",
+              "measured / budget", "predicted overhead", "measured overhead (median)", "plan s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    print("  ".join(header), flush=True)
+    for name in args.models.split(","):
+        for cells in rows(name, [float(b) for b in args.budgets.split(",")], args.limit, args.runs):
+            print("  ".join(cells), flush=True)
+            lines.append("| " + " | ".join(cells) + " |")
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    OUT.write_text("# Checkpoint runtime: predicted vs measured (CPU, float32)\n\n"
+                   f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
+                   f"--budgets {args.budgets} --limit {args.limit:g} --runs {args.runs}`. Budgets are fractions of "
+                   "the unplanned simulated peak (parameters and gradients included); measured peaks are profiler "
+                   "memory events; overhead is the median over interleaved planned/unplanned step pairs.\n\n"
+                   + "\n".join(lines) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
