@@ -24,6 +24,7 @@ import optremat
 from optremat.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
+from benchmarks.planners import write_results
 
 OUT = Path(__file__).with_name("runtime.md")
 DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
@@ -93,6 +94,7 @@ def main() -> None:
                    "memory events; overhead is the median over interleaved planned/unplanned step pairs.\n\n"
                    + "\n".join(lines) + "\n")
     print(f"wrote {OUT}")
+    write_results()
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from optremat.budget import InfeasibleBudget
@@ -19,6 +21,7 @@ from optremat.graph import Graph, GraphError, format_bytes
 from optremat.schedule import keep_all, simulate
 from optremat.solve import SOLVERS
 
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "optremat"
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 
@@ -109,7 +112,8 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     example = build(args.model)
     result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,
                   loss_fn=example.loss_fn, device=args.device, workers=args.workers, seed=args.seed,
-                  progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None)
+                  progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None,
+                  cache=args.cache)
     if args.save:
         result.save(args.save)
     if args.json:
@@ -131,6 +135,21 @@ def _plan_report(source: str, result: Any) -> dict[str, Any]:
         "segments": len(result.segments), "checkpointed_segments": sum(s.checkpointed for s in result.segments),
         "solve_seconds": result.solve_seconds, "fingerprint": result.fingerprint,
     }
+
+
+def _cache_command(args: argparse.Namespace) -> int:
+    from optremat.cache import PlanCache
+
+    store = PlanCache(args.dir)
+    if args.action == "clear":
+        print(f"removed {store.clear()} plans from {store.directory}")
+        return 0
+    entries = store.entries()
+    for e in entries:
+        print(f"{e.key}  {e.status:10s} {e.solver:10s} budget {format_bytes(e.budget_bytes):>11s}  "
+              f"overhead {e.predicted_overhead:7.2%}  time limit {e.time_limit:g} s  {format_bytes(e.bytes)}")
+    print(f"{len(entries)} plans in {store.directory}")
+    return 0
 
 
 def _show_command(args: argparse.Namespace) -> int:
@@ -214,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--progress", action="store_true", help="print each improving plan and bound to stderr")
     plan.add_argument("--save", help="write the plan (a model) or the schedule (a graph file) as JSON")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    plan.add_argument("--cache", help="plan cache directory (a model's plan is loaded from it when present)")
     plan.set_defaults(run=_plan_command)
     show = commands.add_parser("show", help="summarise a saved plan and explain its largest decisions")
     show.add_argument("plan", help="a plan written by `optremat plan --model ... --save`")
@@ -221,6 +241,10 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--top", type=int, default=15, help="how many of the largest tensors to explain")
     show.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     show.set_defaults(run=_show_command)
+    cache = commands.add_parser("cache", help="list or clear the offline plan cache")
+    cache.add_argument("action", choices=("list", "clear"))
+    cache.add_argument("--dir", default=str(DEFAULT_CACHE), help=f"cache directory (default {DEFAULT_CACHE})")
+    cache.set_defaults(run=_cache_command)
     return parser
 
 

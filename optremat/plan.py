@@ -11,9 +11,10 @@ too, and the cheapest plan that fits wins ("segments" names a plan of the latter
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -66,6 +67,7 @@ class Plan:
     solve_seconds: float
     solver_overhead: float
     training: bool = True
+    cached: bool = field(default=False, compare=False)
     runtime: Program | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -105,7 +107,8 @@ class Plan:
             f"(unplanned {format_bytes(self.baseline_peak_bytes)}, "
             f"{self.predicted_peak_bytes / self.baseline_peak_bytes:.0%})",
             f"predicted overhead {self.predicted_overhead:.2%}{lowering}",
-            f"solver {self.solver}: {self.status}{bound}, {self.solve_seconds:.2f} s",
+            f"solver {self.solver}: {self.status}{bound}, {self.solve_seconds:.2f} s"
+            + (" (loaded from the plan cache)" if self.cached else ""),
             f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
             f"{counts['free']} freed early; {checkpointed} of {len(self.segments)} segments checkpointed",
         ])
@@ -181,14 +184,15 @@ class Plan:
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
-         progress: Progress | None = None) -> Plan:
+         progress: Progress | None = None, cache: str | Path | None = None) -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
     peak; it bounds the step's peak with parameters and gradients included. Raises
     InfeasibleBudget naming the smallest budget found when no plan fits. `progress`, if
     given, is called as the exact solver improves: (seconds, overhead, proven lower bound
-    on the overhead).
+    on the overhead). `cache`, a directory, keeps plans across runs: a second call for the
+    same model, shapes, budget and options loads the plan and runs no solver.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -198,6 +202,31 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     graph = traced.graph
     budget_bytes = resolve_budget(graph, budget)
     runtime = program_of(model, traced, inputs)
+    device_name = device or _model_device(model)
+
+    def solved() -> Plan:
+        return _solve(model, graph, runtime, budget_bytes, solver, time_limit, workers, seed, progress, started)
+
+    if cache is None:
+        return solved()
+    from optremat.cache import PlanCache
+
+    store = PlanCache(cache)
+    key = store.key(graph=graph.fingerprint, program=runtime.fingerprint, budget=budget_bytes, solver=solver,
+                    seed=seed, cost_model=cost_model, device=str(device_name), training=model.training,
+                    version=_version())
+    with store.locked(key):
+        hit = store.get(key, time_limit)
+        if hit is not None:
+            return replace(hit, runtime=runtime, cached=True)
+        result = solved()
+        store.put(key, result, time_limit)
+        return result
+
+
+def _solve(model: nn.Module, graph: Graph, runtime: Program, budget_bytes: int, solver: str, time_limit: float,
+           workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
+    """Solve on the coarsened graph, lower to segments, and keep the cheapest plan that fits."""
     index = {name: i for i, name in enumerate(graph.names)}
     program = np.array([index[name] for name in runtime.names], dtype=np.int64)
     coarse = coarsen(graph)
@@ -243,6 +272,13 @@ def program_of(model: nn.Module, traced: Any, inputs: tuple) -> Program:
     """The replayable forward of `model` from its traced step."""
     return Program(traced, len(dict(model.named_parameters())), len(dict(model.named_buffers())),
                    len(tree_leaves(inputs)))
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("optremat")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _model_device(model: nn.Module) -> str:

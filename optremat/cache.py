@@ -1,0 +1,121 @@
+"""The offline plan cache: a directory of plans keyed by everything that decides a plan.
+
+The key hashes the graph's fingerprint (ops, shapes, dtypes, edges), the budget in bytes,
+the solver and its options, the cost model and device, and optremat's version. Entries
+are written atomically (a temporary file renamed into place) under a per-key file lock,
+so several processes planning the same key at once solve it once and all read one valid
+entry. Each entry carries a checksum of its plan: a truncated or corrupted entry is
+reported as a warning and re-solved, never loaded. A plan found under a time limit is
+reused only if it was proven optimal or the new call allows no more time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from optremat.plan import Plan
+from optremat.solution import OPTIMAL
+
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached plan, as `optremat cache list` shows it."""
+
+    key: str
+    path: Path
+    bytes: int
+    solver: str
+    status: str
+    budget_bytes: int
+    predicted_overhead: float
+    time_limit: float
+
+
+class PlanCache:
+    """Plans stored under `directory`, one JSON file per key."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def key(**parts: Any) -> str:
+        """A stable hash of the named parts (the caller passes everything that decides a plan)."""
+        text = json.dumps(parts, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.plan.json"
+
+    @contextmanager
+    def locked(self, key: str) -> Iterator[None]:
+        """Hold the key's lock: other processes planning the same key wait here."""
+        with open(self.directory / f"{key}.lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def get(self, key: str, time_limit: float) -> Plan | None:
+        """The cached plan for `key` if present, intact and good enough for `time_limit`."""
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            text = json.dumps(entry["plan"], sort_keys=True)
+            if entry.get("format") != CACHE_FORMAT or hashlib.sha256(text.encode()).hexdigest() != entry["checksum"]:
+                raise ValueError("checksum mismatch")
+            plan = Plan.from_json(entry["plan"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            warnings.warn(f"optremat: plan cache entry {path} is corrupted ({error}); planning again", stacklevel=3)
+            return None
+        if plan.status != OPTIMAL and time_limit > entry["time_limit"]:
+            return None
+        return plan
+
+    def put(self, key: str, plan: Plan, time_limit: float) -> None:
+        """Store `plan` atomically: readers see the old entry or the new one, never half of one."""
+        body = plan.to_json()
+        text = json.dumps(body, sort_keys=True)
+        entry = {"format": CACHE_FORMAT, "checksum": hashlib.sha256(text.encode()).hexdigest(),
+                 "time_limit": time_limit, "plan": body}
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entry))
+        os.replace(tmp, path)
+
+    def entries(self) -> list[Entry]:
+        """Every entry on disk (corrupted ones are listed with status CORRUPTED)."""
+        out = []
+        for path in sorted(self.directory.glob("*.plan.json")):
+            key = path.name.removesuffix(".plan.json")
+            try:
+                entry = json.loads(path.read_text())
+                plan = entry["plan"]
+                out.append(Entry(key, path, path.stat().st_size, plan["solver"], plan["status"], plan["budget_bytes"],
+                                 plan["predicted_overhead"], entry["time_limit"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                out.append(Entry(key, path, path.stat().st_size, "-", "CORRUPTED", 0, 0.0, 0.0))
+        return out
+
+    def clear(self) -> int:
+        """Remove every entry and lock file; returns how many entries were removed."""
+        removed = 0
+        for path in self.directory.glob("*.plan.json"):
+            path.unlink(missing_ok=True)
+            removed += 1
+        for path in self.directory.glob("*.lock"):
+            path.unlink(missing_ok=True)
+        return removed
