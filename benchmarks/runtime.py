@@ -1,13 +1,13 @@
 """Plans executed: predicted vs measured peak and step-time overhead of the checkpoint runtime.
 
     python -m benchmarks.runtime [--models gpt-tiny,resnet-tiny,...] [--budgets 0.3,0.5,0.7,0.9]
-                                 [--limit 30] [--runs 5]
+                                 [--runtimes checkpoint,exact] [--limit 30] [--runs 5] [--out runtime.md]
 
-For each built-in model and budget (a fraction of the unplanned simulated peak) it plans
-with `optremat.plan(..., solver="auto")`, applies the plan, and runs float32 training
-steps on the CPU: the measured peak (profiler memory events) against the plan's predicted
-peak, and the step-time overhead as the median, over `runs` interleaved pairs, of planned
-over unplanned step time. Writes benchmarks/runtime.md.
+For each built-in model, runtime and budget (a fraction of the unplanned simulated peak)
+it plans with `optremat.plan(..., solver="auto")`, applies the plan, and runs float32
+training steps on the CPU: the measured peak (profiler memory events) against the plan's
+predicted peak, and the step-time overhead as the median, over `runs` interleaved pairs,
+of planned over unplanned step time. Writes benchmarks/<out>.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ OUT = Path(__file__).with_name("runtime.md")
 DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
 
 
-def rows(name: str, budgets: list[float], limit: float, runs: int) -> list[list[str]]:
+def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int) -> list[list[str]]:
     example = build(name)
     model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
@@ -42,9 +42,10 @@ def rows(name: str, budgets: list[float], limit: float, runs: int) -> list[list[
     for fraction in budgets:
         started = time.perf_counter()
         try:
-            plan = optremat.plan(model, inputs, fraction, loss_fn=loss_fn, time_limit=limit)
+            plan = optremat.plan(model, inputs, fraction, loss_fn=loss_fn if runtime == "checkpoint" else None,
+                                 time_limit=limit, runtime=runtime)
         except optremat.InfeasibleBudget as error:
-            out.append([name, f"{fraction:.0%}", f"infeasible (smallest {format_bytes(error.smallest)}, "
+            out.append([name, runtime, f"{fraction:.0%}", f"infeasible (smallest {format_bytes(error.smallest)}, "
                         f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7)
             continue
         seconds = time.perf_counter() - started
@@ -59,7 +60,7 @@ def rows(name: str, budgets: list[float], limit: float, runs: int) -> list[list[
                 step(module)
                 times.append(time.perf_counter() - begin)
             ratios.append(times[1] / times[0])
-        out.append([name, f"{fraction:.0%}", f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
+        out.append([name, runtime, f"{fraction:.0%}", f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
                     format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
                     f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
                     f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"])
@@ -77,23 +78,28 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
     parser.add_argument("--limit", type=float, default=30.0, help="solver time limit per plan, seconds")
     parser.add_argument("--runs", type=int, default=5, help="interleaved timing pairs per plan")
+    parser.add_argument("--runtimes", default="checkpoint,exact")
+    parser.add_argument("--out", default="runtime.md", help="file name under benchmarks/")
     args = parser.parse_args()
-    header = ["model", "budget", "plan", "predicted peak", "measured peak", "measured vs predicted",
+    out = OUT.with_name(args.out)
+    header = ["model", "runtime", "budget", "plan", "predicted peak", "measured peak", "measured vs predicted",
               "measured / budget", "predicted overhead", "measured overhead (median)", "plan s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     print("  ".join(header), flush=True)
     for name in args.models.split(","):
-        for cells in rows(name, [float(b) for b in args.budgets.split(",")], args.limit, args.runs):
-            print("  ".join(cells), flush=True)
-            lines.append("| " + " | ".join(cells) + " |")
+        for runtime in args.runtimes.split(","):
+            for cells in rows(name, runtime, [float(b) for b in args.budgets.split(",")], args.limit, args.runs):
+                print("  ".join(cells), flush=True)
+                lines.append("| " + " | ".join(cells) + " |")
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    OUT.write_text("# Checkpoint runtime: predicted vs measured (CPU, float32)\n\n"
+    out.write_text(f"# Runtimes: predicted vs measured (CPU, float32; {args.models})\n\n"
                    f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
-                   f"--budgets {args.budgets} --limit {args.limit:g} --runs {args.runs}`. Budgets are fractions of "
+                   f"--runtimes {args.runtimes} --budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
+                   f"--out {args.out}`. Budgets are fractions of "
                    "the unplanned simulated peak (parameters and gradients included); measured peaks are profiler "
                    "memory events; overhead is the median over interleaved planned/unplanned step pairs.\n\n"
                    + "\n".join(lines) + "\n")
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
     write_results()
 
 

@@ -134,9 +134,13 @@ def _fusion_target(graph: Graph, group: np.ndarray, v: int, preds: list[int]) ->
 
 def _joinable(graph: Graph, group: np.ndarray, v: int, preds: list[int], target: int) -> int | None:
     """`target` if v may join it: acyclic, and a view or an op of the same direction
-    (forward/backward); the resident group takes only views."""
+    (forward/backward); the resident group takes only forward views, so that nothing
+    that reads the output's gradient runs before the forward is done."""
     view = graph.alias_of[v] >= 0 and graph.size[v] == 0
-    allowed = view or (not graph.pinned[target] and graph.backward[target] == graph.backward[v])
+    if graph.pinned[target]:
+        allowed = view and not graph.backward[v]
+    else:
+        allowed = view or graph.backward[target] == graph.backward[v]
     if not allowed or any(group[p] != target and p >= target and not graph.pinned[p] for p in preds):
         return None
     return target

@@ -36,13 +36,18 @@ class Traced:
     """A traced training step: the fx graph and the Graph built from it.
 
     `output_spec` is the pytree structure of the model's output; `output_leaves` holds,
-    per leaf, the name of the fx node producing it or the constant itself.
+    per leaf, the name of the fx node producing it or the constant itself. `gradients`
+    names the parameters whose gradients the step returns, in order; `tangents` lists
+    which tensor leaves of the output take a gradient as an input of the step (none when
+    a loss function is folded in).
     """
 
     module: torch.fx.GraphModule
     graph: Graph
     output_spec: TreeSpec
     output_leaves: tuple[Any, ...]
+    gradients: tuple[str, ...] = ()
+    tangents: tuple[int, ...] = ()
 
 
 _MARK = "optremat"
@@ -97,6 +102,9 @@ def trace(
         with _phase("backward"):
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
         structure["results"] = len(tree_leaves((roots, grads)))
+        structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        structure["tangents"] = () if loss_fn is not None else tuple(i for i, t in enumerate(tensors) if t.requires_grad)
         return roots, grads, [t for t in leaves if isinstance(t, torch.Tensor)]
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
@@ -115,7 +123,7 @@ def trace(
     results, produced = returned[:structure["results"]], iter(node.name for node in returned[structure["results"]:])
     leaves = tuple(next(produced) if value is None else value for value in structure["leaves"])
     return Traced(gm, _to_graph(gm, placeholder_kinds, param_names, costs, results),
-                  structure["spec"], leaves)
+                  structure["spec"], leaves, structure["gradients"], structure["tangents"])
 
 
 def _grad_leaves(out: Any) -> list[torch.Tensor]:

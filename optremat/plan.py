@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.coarsen import coarsen
-from optremat.extract import trace
+from optremat.extract import Traced, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
 from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower
@@ -35,6 +35,9 @@ from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
 from optremat.solve import SOLVERS, solve
 
 FORMAT_VERSION = 1
+RUNTIMES = ("checkpoint", "exact")
+EXACT_ATTEMPTS = 3
+"""Solves tried for the exact runtime, each with the budget reduced by the last plan's excess."""
 
 
 class PlanMismatch(ValueError):
@@ -67,8 +70,9 @@ class Plan:
     solve_seconds: float
     solver_overhead: float
     training: bool = True
+    runtime: str = "checkpoint"
     cached: bool = field(default=False, compare=False)
-    runtime: Program | None = field(default=None, repr=False, compare=False)
+    executable: Any = field(default=None, repr=False, compare=False)
 
     @property
     def fingerprint(self) -> str:
@@ -77,17 +81,19 @@ class Plan:
     def decisions(self) -> dict[str, str]:
         """For every forward op of the model: keep, recompute, share (a view or in-place
         result that holds another tensor's storage) or free (the backward never reads it)."""
-        index = {name: i for i, name in enumerate(self.graph.names)}
-        recomputed = {name for s in self.segments for name in s.recomputed}
-        read_by_backward = np.zeros(self.graph.n, dtype=bool)
-        src, dst = self.graph.edges[:, 0], self.graph.edges[:, 1]
-        read_by_backward[src[self.graph.backward[dst]]] = True
+        graph = self.graph
+        index = {name: i for i, name in enumerate(graph.names)}
+        names = self.program or [graph.names[i] for i in np.nonzero(~graph.backward & ~graph.pinned)[0].tolist()]
+        recomputed = {graph.names[i] for i, s, _ in self.schedule.events if s != i}
+        read_by_backward = np.zeros(graph.n, dtype=bool)
+        src, dst = graph.edges[:, 0], graph.edges[:, 1]
+        read_by_backward[src[graph.backward[dst]]] = True
         out = {}
-        for name in self.program:
+        for name in names:
             i = index[name]
             if name in recomputed:
                 out[name] = "recompute"
-            elif self.graph.alias_of[i] >= 0 and not self.graph.is_part[i]:
+            elif graph.alias_of[i] >= 0 and not graph.is_part[i]:
                 out[name] = "share"
             else:
                 out[name] = "keep" if read_by_backward[i] else "free"
@@ -101,7 +107,8 @@ class Plan:
         bound = "" if self.lower_bound is None else f", proven overhead >= {self.lower_bound:.2%}"
         lost = self.predicted_overhead - self.solver_overhead
         lowering = f" ({lost:+.2%} from lowering to checkpoint segments)" if abs(lost) > 5e-5 else ""
-        checkpointed = sum(s.checkpointed for s in self.segments)
+        layout = (f"{sum(s.checkpointed for s in self.segments)} of {len(self.segments)} segments checkpointed"
+                  if self.runtime == "checkpoint" else "exact runtime (op by op)")
         return "\n".join([
             f"budget {format_bytes(self.budget_bytes)}: predicted peak {format_bytes(self.predicted_peak_bytes)} "
             f"(unplanned {format_bytes(self.baseline_peak_bytes)}, "
@@ -110,7 +117,7 @@ class Plan:
             f"solver {self.solver}: {self.status}{bound}, {self.solve_seconds:.2f} s"
             + (" (loaded from the plan cache)" if self.cached else ""),
             f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
-            f"{counts['free']} freed early; {checkpointed} of {len(self.segments)} segments checkpointed",
+            f"{counts['free']} freed early; {layout}",
         ])
 
     def explain(self, top: int = 15) -> str:
@@ -153,6 +160,7 @@ class Plan:
             "solve_seconds": self.solve_seconds,
             "solver_overhead": self.solver_overhead,
             "training": self.training,
+            "runtime": self.runtime,
         }
 
     @classmethod
@@ -184,7 +192,7 @@ class Plan:
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
-         progress: Progress | None = None, cache: str | Path | None = None) -> Plan:
+         progress: Progress | None = None, cache: str | Path | None = None, runtime: str = "checkpoint") -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
@@ -193,52 +201,110 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     given, is called as the exact solver improves: (seconds, overhead, proven lower bound
     on the overhead). `cache`, a directory, keeps plans across runs: a second call for the
     same model, shapes, budget and options loads the plan and runs no solver.
+
+    `runtime` picks what executes the plan, and so what is planned: "checkpoint" (segments
+    of the forward under torch.utils.checkpoint; the loss may be folded in with `loss_fn`)
+    or "exact" (the whole step op by op, so the solver's schedule runs as it is; the loss
+    must stay outside the model).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    if runtime == "exact" and loss_fn is not None:
+        raise ValueError("the exact runtime runs the backward from the output's gradient: "
+                         "plan without loss_fn (compute the loss outside the model)")
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     traced = trace(model, inputs, loss_fn, cost_model=cost_model, device=device or _model_device(model))
     graph = traced.graph
     budget_bytes = resolve_budget(graph, budget)
-    runtime = program_of(model, traced, inputs)
     device_name = device or _model_device(model)
+    forward = program_of(model, traced, inputs) if runtime == "checkpoint" else None
+    fingerprint = graph.fingerprint if forward is None else forward.fingerprint
+    options = dict(solver=solver, time_limit=time_limit, workers=workers, seed=seed, started=started,
+                   progress=None if progress is None else _relative(progress, graph.total_cost))
 
     def solved() -> Plan:
-        return _solve(model, graph, runtime, budget_bytes, solver, time_limit, workers, seed, progress, started)
+        if forward is None:
+            return _solve_exact(model, traced, inputs, budget_bytes, **options)
+        return _solve_checkpoint(model, graph, forward, budget_bytes, **options)
 
     if cache is None:
         return solved()
     from optremat.cache import PlanCache
 
     store = PlanCache(cache)
-    key = store.key(graph=graph.fingerprint, program=runtime.fingerprint, budget=budget_bytes, solver=solver,
+    key = store.key(graph=graph.fingerprint, program=fingerprint, budget=budget_bytes, solver=solver,
                     seed=seed, cost_model=cost_model, device=str(device_name), training=model.training,
-                    version=_version())
+                    runtime=runtime, version=_version())
     with store.locked(key):
         hit = store.get(key, time_limit)
         if hit is not None:
-            return replace(hit, runtime=runtime, cached=True)
+            executable = forward or exact_program(model, traced, inputs, hit.graph, hit.schedule)
+            return replace(hit, executable=executable, cached=True)
         result = solved()
         store.put(key, result, time_limit)
         return result
 
 
-def _solve(model: nn.Module, graph: Graph, runtime: Program, budget_bytes: int, solver: str, time_limit: float,
-           workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
-    """Solve on the coarsened graph, lower to segments, and keep the cheapest plan that fits."""
-    index = {name: i for i, name in enumerate(graph.names)}
-    program = np.array([index[name] for name in runtime.names], dtype=np.int64)
+def _relative(progress: Progress, total: float) -> Progress:
+    """A solver progress callback (absolute costs) reporting overheads instead."""
+    return lambda elapsed, cost, bound: progress(elapsed, cost / total - 1, bound / total - 1)
+
+
+def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: int, *, solver: str,
+                 time_limit: float, workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
+    """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
+    plan peaks over the budget on every op, solve again with the budget reduced by the excess."""
+    graph = traced.graph
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
+    target, deadline = budget_bytes, started + time_limit
+    for _ in range(EXACT_ATTEMPTS):
+        remaining = max(deadline - time.perf_counter(), 1.0)
+        try:
+            solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
+                             progress=progress)
+        except InfeasibleBudget as error:
+            raise InfeasibleBudget(budget_bytes, error.smallest + budget_bytes - target, solver, error.proven) from None
+        fine = coarse.expand(solution.schedule)
+        result = simulate(coarse.fine, fine)
+        if result.peak_bytes <= budget_bytes:
+            total = graph.total_cost
+            return Plan(graph=coarse.fine, schedule=fine, segments=(), program=(),
+                        program_fingerprint=graph.fingerprint, budget_bytes=budget_bytes,
+                        predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
+                        predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
+                        lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
+                        solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
+                        training=model.training, runtime="exact",
+                        executable=exact_program(model, traced, inputs, coarse.fine, fine))
+        target -= result.peak_bytes - budget_bytes
+    raise InfeasibleBudget(budget_bytes, result.peak_bytes, f"{solver} on every op")
 
+
+def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule) -> Any:
+    """The exact runtime's executable for `schedule` on `graph` (the traced step, reordered)."""
+    from optremat.runtime.exact import ExactProgram
+
+    return ExactProgram(traced, graph, schedule, len(dict(model.named_parameters())),
+                        len(dict(model.named_buffers())), len(tree_leaves(inputs)))
+
+
+def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, budget_bytes: int, *, solver: str,
+                      time_limit: float, workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
+    """Solve on the coarsened graph, lower to segments, and keep the cheapest plan that fits."""
+    index = {name: i for i, name in enumerate(graph.names)}
+    program = np.array([index[name] for name in forward.names], dtype=np.int64)
+    coarse = coarsen(graph)
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
     total = graph.total_cost
-    relative = None if progress is None else (lambda e, cost, bound: progress(e, cost / total - 1, bound / total - 1))
     solution = None
     kept = np.ones(graph.n, dtype=bool)
     try:
         solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
-                         progress=relative)
+                         progress=progress)
         kept[:] = False
         kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
     except InfeasibleBudget:
@@ -260,12 +326,12 @@ def _solve(model: nn.Module, graph: Graph, runtime: Program, budget_bytes: int, 
         solver_overhead = result.overhead
         name, status = "segments", FEASIBLE if solution is not None and solution.lower_bound is not None else HEURISTIC
     return Plan(graph=graph, schedule=lowering.schedule, segments=lowering.segments,
-                program=tuple(runtime.names), program_fingerprint=runtime.fingerprint,
+                program=tuple(forward.names), program_fingerprint=forward.fingerprint,
                 budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
                 predicted_overhead=result.overhead, solver=name, status=status,
                 lower_bound=None if solution is None or solution.lower_bound is None else solution.lower_bound / total - 1,
                 solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead,
-                training=model.training, runtime=runtime)
+                training=model.training, executable=forward)
 
 
 def program_of(model: nn.Module, traced: Any, inputs: tuple) -> Program:

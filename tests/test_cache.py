@@ -41,7 +41,8 @@ def test_hit_loads_the_same_plan_fast_without_solving(tmp_path, monkeypatch) -> 
     def no_solver(*args, **kwargs):
         raise AssertionError("a cache hit must not run any solver")
 
-    monkeypatch.setattr(planning, "_solve", no_solver)
+    monkeypatch.setattr(planning, "_solve_checkpoint", no_solver)
+    monkeypatch.setattr(planning, "_solve_exact", no_solver)
     started = time.perf_counter()
     second = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5, cache=tmp_path)
     assert time.perf_counter() - started < 1.0

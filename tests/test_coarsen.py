@@ -32,9 +32,26 @@ def test_coarse_plans_map_back_to_every_op(model_graph, by_module):
 def test_views_fold_into_their_producer(model_graph):
     c = coarsen(model_graph)
     fine = c.fine
+    resident_group = c.group[int(np.argmax(fine.pinned))]
     for i in np.nonzero((fine.alias_of >= 0) & (fine.size == 0))[0].tolist():
-        if fine.fusible[i] and not fine.output[i] and len(fine.preds[i]) == 1:
-            assert c.group[i] == c.group[fine.alias_of[i]]
+        base = fine.alias_of[i]
+        if c.group[base] == resident_group and fine.backward[i]:
+            assert c.group[i] != c.group[base], "a backward view must not run with the resident group"
+        elif fine.fusible[i] and not fine.output[i] and len(fine.preds[i]) == 1:
+            assert c.group[i] == c.group[base]
+
+
+def test_nothing_that_reads_the_output_gradient_runs_before_the_forward_ends():
+    example = build("gpt-tiny")
+    fine = coarsen(extract(example.model, example.inputs)).fine
+    tangents = [i for i in range(fine.n) if fine.pinned[i] and fine.kind[i] == "input"
+                and len(fine.succs[i]) and fine.backward[fine.succs[i]].all()]
+    depends = np.zeros(fine.n, dtype=bool)
+    depends[tangents] = True
+    for v in range(fine.n):
+        depends[v] |= bool(depends[fine.preds[v]].any())
+    first = int(np.argmax(depends & ~fine.pinned))
+    assert tangents and not (~fine.backward[first:] & ~fine.pinned[first:]).any()
 
 
 def test_unplanned_peak_is_kept_within_a_quarter(model_graph, request):

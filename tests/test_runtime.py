@@ -5,12 +5,15 @@ from __future__ import annotations
 import copy
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 import optremat
+from optremat.extract import trace
 from optremat.models import GPT, build
+from optremat.plan import exact_program
 from optremat.runtime.measure import measure_peak
 
 
@@ -204,7 +207,7 @@ def test_saved_plan_applies_after_loading_and_refuses_another_model(tmp_path) ->
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = optremat.Plan.load(path)
-    assert loaded.runtime is None
+    assert loaded.executable is None
     assert (loaded.fingerprint, loaded.predicted_peak_bytes, loaded.segments) == \
         (plan.fingerprint, plan.predicted_peak_bytes, plan.segments)
     assert_same_step(train_step(optremat.apply(model, loaded), model, inputs, loss_fn, state),
@@ -253,3 +256,44 @@ def test_planned_step_is_bitwise_equal_in_float64() -> None:
     plan = optremat.plan(model, inputs, 0.9, loss_fn=loss_fn, time_limit=5)
     assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state),
                      train_step(model, model, inputs, loss_fn, state), tolerance=0)
+
+
+@pytest.mark.parametrize("name,budget", [("convnet", 0.6), ("gpt-dropout", 0.7), ("resnet-tiny", 0.6)])
+def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float) -> None:
+    model, inputs, loss_fn = MODELS[name]()
+    state = copy.deepcopy(model.state_dict())
+    plan = optremat.plan(model, inputs, budget, time_limit=10, runtime="exact")
+    assert plan.runtime == "exact" and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.schedule.recomputations > 0
+    assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state),
+                     train_step(model, model, inputs, loss_fn, state))
+
+
+def test_exact_runtime_runs_a_schedule_that_recomputes_twice_at_the_simulated_peak() -> None:
+    model, inputs, loss_fn = deep_mlp()
+    model, inputs = model.float(), tuple(x.float() for x in inputs)
+    traced = trace(model, inputs)
+    graph = traced.graph
+    kept = np.zeros(graph.n, dtype=bool)
+    kept[[i for i, op in enumerate(graph.ops) if op.startswith("addmm") and not graph.backward[i]][::3]] = True
+    schedule = optremat.from_kept(graph, kept)
+    assert np.bincount(schedule.node).max() >= 3
+    program = exact_program(model, traced, inputs, graph, schedule)
+    params = dict(model.named_parameters())
+    predicted = optremat.simulate(graph, schedule).peak_bytes
+
+    def step() -> tuple:
+        out = program.run(list(params), list(params.values()) + list(inputs))
+        return torch.autograd.grad(loss_fn(out), list(params.values()))
+
+    want = torch.autograd.grad(loss_fn(model(*inputs)), list(params.values()))
+    for got, expected in zip(step(), want):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    measured = measure_peak(step, resident=[list(params.values()), inputs]).peak_bytes
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
+
+
+def test_exact_runtime_refuses_a_folded_loss() -> None:
+    model, inputs, loss_fn = deep_mlp()
+    with pytest.raises(ValueError, match="loss outside"):
+        optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, runtime="exact")

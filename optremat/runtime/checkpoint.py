@@ -1,4 +1,4 @@
-"""`apply(model, plan)`: the model, trained under a plan with `torch.utils.checkpoint` segments."""
+"""`apply(model, plan)`: the model, trained under a plan by the runtime the plan was made for."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.extract import trace
-from optremat.plan import Plan, PlanMismatch, program_of
-from optremat.runtime.program import Program, autocast_state, signature_of
+from optremat.plan import Plan, PlanMismatch, exact_program, program_of
+from optremat.runtime.ops import autocast_state, signature_of
 
 
 class Planned(nn.Module):
@@ -28,7 +28,7 @@ class Planned(nn.Module):
         super().__init__()
         self.model = model
         self.plan = plan
-        self._program: Program | None = plan.runtime
+        self._program: Any = plan.executable
         self._warned = False
 
     def forward(self, *args: Any) -> Any:
@@ -45,12 +45,18 @@ class Planned(nn.Module):
                               f"{self._program.autocast}); running the model unplanned", stacklevel=2)
                 self._warned = True
             return self.model(*args)
-        params = list(dict(self.model.named_parameters()).values())
-        buffers = list(dict(self.model.named_buffers()).values())
-        return self._program.run(params + buffers + leaves, self.plan.segments)
+        params = dict(self.model.named_parameters())
+        values = list(params.values()) + list(dict(self.model.named_buffers()).values()) + leaves
+        if self.plan.runtime == "exact":
+            return self._program.run(list(params), values)
+        return self._program.run(values, self.plan.segments)
 
-    def _trace(self, args: tuple) -> Program:
-        program = program_of(self.model, trace(self.model, args), args)
+    def _trace(self, args: tuple) -> Any:
+        traced = trace(self.model, args)
+        if self.plan.runtime == "exact":
+            program = exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule)
+        else:
+            program = program_of(self.model, traced, args)
         if program.fingerprint != self.plan.program_fingerprint:
             raise PlanMismatch("this plan was made for another model or input shape (program fingerprint "
                                f"{self.plan.program_fingerprint}, this model gives {program.fingerprint}); plan again")

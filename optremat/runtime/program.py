@@ -4,8 +4,9 @@ Replaying the traced ops instead of the model's Python lets a segment be any con
 run of ops, not only a whole module call. Autograd records the replayed ops as it records
 the model's own, so the backward, parameter gradients and optimizers work unchanged.
 
-A checkpointed segment runs under `torch.utils.checkpoint` (non-reentrant) with a
-selective-checkpoint policy that saves exactly the ops the plan keeps. Two pieces of
+A checkpointed segment runs under `torch.utils.checkpoint` (non-reentrant) with dispatch
+modes in the manner of selective checkpointing, keyed by the op being replayed: they save
+exactly the outputs the plan keeps and rerun only what the backward needs. Two pieces of
 state must not change when a segment is recomputed: random ops replay the generator
 state they saw in the forward (even when an earlier random op of the segment is saved
 and therefore skipped), and module buffers that ops mutate (BatchNorm running
@@ -26,9 +27,8 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from optremat.extract import Traced
-
-_BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
-
+from optremat.runtime.ops import (autocast_state, call, is_random, mutated_inputs, returns_alias, rng_state,
+                                  set_rng_state, signature_of)
 
 @dataclass(frozen=True)
 class Segment:
@@ -62,7 +62,6 @@ class Program:
         self.output_leaves = tuple(by_name.get(leaf, leaf) if isinstance(leaf, str) else leaf
                                    for leaf in traced.output_leaves)
         self.nodes = _needed(gm, self.output_leaves, self.buffers)
-        self.position = {n: i for i, n in enumerate(self.nodes)}
         end = len(self.nodes)
         self.last_use: dict[torch.fx.Node, int] = {}
         for i, node in enumerate(self.nodes):
@@ -97,7 +96,7 @@ class Program:
             else:
                 for i in range(segment.start, segment.stop):
                     node = self.nodes[i]
-                    env[node] = _call(node, _lookup(resident, env))
+                    env[node] = call(node, _lookup(resident, env))
                     self._free(env, node.all_input_nodes, i)
         values = [_lookup(resident, env)(leaf) if isinstance(leaf, torch.fx.Node) else leaf
                   for leaf in self.output_leaves]
@@ -114,10 +113,10 @@ class Program:
         outputs = [n for n in nodes if self.last_use.get(n, -1) >= segment.stop]
         kept_local = set(outputs)
         local_last = {p: i for i, n in enumerate(nodes) for p in n.all_input_nodes}
-        scratch = {b: resident[b].detach().clone() for n in nodes for b in _mutated(n) if b in self.buffers}
-        replay = _Replay({n: _saved_outputs(n, segment.saved) for n in nodes if not _returns_alias(n)},
+        scratch = {b: resident[b].detach().clone() for n in nodes for b in mutated_inputs(n) if b in self.buffers}
+        replay = _Replay({n: _saved_outputs(n, segment.saved) for n in nodes if not returns_alias(n)},
                          {n for n in nodes if n.name in segment.recomputed
-                          or (n.name in segment.saved and _returns_alias(n))})
+                          or (n.name in segment.saved and returns_alias(n))})
         rng_states: dict[torch.fx.Node, Any] = {}
 
         def run_segment(*values: Any) -> tuple:
@@ -125,14 +124,14 @@ class Program:
             state = resident | scratch if recompute else resident
             local = dict(zip(inputs, values))
             for i, node in enumerate(nodes):
-                if _random(node):
+                if is_random(node):
                     device = tree_leaves(node.meta["val"])[0].device
                     if recompute:
-                        _set_rng_state(device, rng_states[node])
+                        set_rng_state(device, rng_states[node])
                     else:
-                        rng_states[node] = _rng_state(device)
+                        rng_states[node] = rng_state(device)
                 replay.current = node
-                local[node] = _call(node, _lookup(state, local))
+                local[node] = call(node, _lookup(state, local))
                 for p in node.all_input_nodes:
                     if p in local and local_last[p] <= i and p not in kept_local:
                         del local[p]
@@ -229,7 +228,7 @@ def _needed(gm: torch.fx.GraphModule, leaves: tuple, buffers: frozenset) -> list
     forward = [n for n in gm.graph.nodes if n.op == "call_function"
                and n.meta.get("custom", {}).get("optremat_phase") != "backward"]
     roots = [leaf for leaf in leaves if isinstance(leaf, torch.fx.Node)]
-    roots += [n for n in forward if any(b in buffers for b in _mutated(n))]
+    roots += [n for n in forward if any(b in buffers for b in mutated_inputs(n))]
     needed: set[torch.fx.Node] = set()
     stack = list(roots)
     while stack:
@@ -241,51 +240,6 @@ def _needed(gm: torch.fx.GraphModule, leaves: tuple, buffers: frozenset) -> list
     return [n for n in forward if n in needed or n in parts]
 
 
-def _mutated(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The fx nodes whose tensors `node` writes in place."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-    name = schema.name.removeprefix("aten::")
-    if name in _BATCH_NORMS and len(node.args) > 5 and node.args[5] is True:
-        written += [3, 4]
-    return [node.args[i] for i in written if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
-
-
-def signature_of(leaves: list[Any]) -> list[Any]:
-    """Shape, dtype and device of each tensor (other values as they are): what a plan is for."""
-    return [(tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else t for t in leaves]
-
-
-def autocast_state() -> tuple:
-    """Which autocast regions are active: a plan traced under autocast holds its casts."""
-    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
-                 if torch.is_autocast_enabled(device))
-
-
-def _returns_alias(node: torch.fx.Node) -> bool:
-    """Views and in-place ops: their output is another tensor's storage. Rather than stored,
-    a saved one is rerun on its (saved) base when the segment is recomputed."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
-
-
-def _random(node: torch.fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
-
-
 def _lookup(*scopes: dict) -> Callable[[torch.fx.Node], Any]:
     def value(node: torch.fx.Node) -> Any:
         for scope in scopes:
@@ -293,11 +247,3 @@ def _lookup(*scopes: dict) -> Callable[[torch.fx.Node], Any]:
                 return scope[node]
         raise KeyError(f"value of {node.name} is not available")
     return value
-
-
-def _call(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any]) -> Any:
-    args = torch.fx.node.map_arg(node.args, value)
-    kwargs = torch.fx.node.map_arg(node.kwargs, value)
-    if node.target is operator.getitem:
-        return args[0][args[1]]
-    return node.target(*args, **kwargs)

@@ -1,0 +1,183 @@
+"""The exact runtime: execute any schedule op by op, each recomputation where the schedule puts it.
+
+The whole traced step (forward and backward ops) becomes one autograd Function. Its
+forward runs the schedule's stages up to the first op that reads the output's gradient
+and returns the model's outputs; the tensors the schedule keeps into later stages stay
+with the Function. Its backward receives the output's gradient, runs the remaining stages
+and hands autograd the parameter gradients. Every tensor is freed exactly where
+`simulate()` frees it, so the measured peak follows the simulated one, and a node may be
+computed any number of times. Random ops replay the generator state of their first run,
+and recomputed ops that update buffers (BatchNorm statistics) write to scratch copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx
+from torch.utils._pytree import tree_leaves, tree_unflatten
+
+from optremat.extract import Traced
+from optremat.graph import Graph
+from optremat.runtime.ops import (autocast_state, call, is_random, mutated_inputs, rng_state, set_rng_state,
+                                  signature_of)
+from optremat.schedule import Schedule
+
+
+class ExactProgram:
+    """A schedule of `graph` (the traced step, in any topological order) ready to run."""
+
+    def __init__(self, traced: Traced, graph: Graph, schedule: Schedule, num_params: int, num_buffers: int,
+                 num_inputs: int) -> None:
+        if not traced.tangents:
+            raise ValueError("the exact runtime runs the backward from the output's gradient: "
+                             "plan without loss_fn (compute the loss outside the model)")
+        gm = traced.module
+        by_name = {n.name: n for n in gm.graph.nodes}
+        self.nodes = [by_name[name] for name in graph.names]
+        index = {node: i for i, node in enumerate(self.nodes)}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        leaves = num_params + num_buffers + num_inputs
+        self.inputs = [index[n] for n in placeholders[:leaves]]
+        self.buffers = {index[n] for n in placeholders[num_params:num_params + num_buffers]}
+        self.tangent_inputs = [index[n] for n in placeholders[leaves:]]
+        self.constants = {index[n]: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        self.signature = signature_of([n.meta.get("val") for n in placeholders[num_params + num_buffers:leaves]])
+        self.autocast = autocast_state()
+        self.output_spec = traced.output_spec
+        self.output_leaves = tuple(index[by_name[leaf]] if isinstance(leaf, str) else leaf
+                                   for leaf in traced.output_leaves)
+        self.tensor_outputs = [leaf for leaf in self.output_leaves if isinstance(leaf, int)]
+        self.tangents = traced.tangents
+        returned = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        results = len(returned) - len(self.tensor_outputs)
+        self.gradients = dict(zip(traced.gradients, (index[n] for n in returned[results - len(traced.gradients):results])))
+        self.fingerprint = traced.graph.fingerprint
+        self.index = index
+        self.mutated_buffers = [[index[b] for b in mutated_inputs(node) if index[b] in self.buffers] for node in self.nodes]
+        self.split = _first_reading(graph, self.tangent_inputs)
+        self.stages = _instructions(graph, schedule)
+
+    def run(self, param_names: list[str], leaves: list[Any]) -> Any:
+        """The model's output for one training step; its backward runs the rest of the schedule."""
+        outputs = _Step.apply(self, param_names, *leaves)
+        values = iter(outputs)
+        return tree_unflatten([next(values) if isinstance(leaf, int) else leaf for leaf in self.output_leaves],
+                              self.output_spec)
+
+    def forward_part(self, leaves: tuple) -> tuple[dict[int, Any], dict[int, Any]]:
+        env: dict[int, Any] = dict(zip(self.inputs, leaves))
+        env.update(self.constants)
+        rng: dict[int, Any] = {}
+        for s in range(self.split):
+            self._stage(s, env, rng)
+        return env, rng
+
+    def backward_part(self, env: dict[int, Any], rng: dict[int, Any], grads: list[Any]) -> dict[int, Any]:
+        env.update(zip(self.tangent_inputs, grads))
+        for s in range(self.split, len(self.stages)):
+            self._stage(s, env, rng)
+        return env
+
+    def _stage(self, s: int, env: dict[int, Any], rng: dict[int, Any]) -> None:
+        drop_first, events = self.stages[s]
+        for i in drop_first:
+            del env[i]
+        for k, drops in events:
+            node = self.nodes[k]
+            recompute = k != s
+            scope = env
+            if recompute and self.mutated_buffers[k]:
+                scope = {**env, **{i: env[i].clone() for i in self.mutated_buffers[k]}}
+            index = self.index
+
+            def value(fx_node: torch.fx.Node) -> Any:
+                return scope[index[fx_node]]
+
+            if is_random(node):
+                device = tree_leaves(node.meta["val"])[0].device
+                if recompute:
+                    current = rng_state(device)
+                    set_rng_state(device, rng[k])
+                    env[k] = call(node, value)
+                    set_rng_state(device, current)
+                else:
+                    rng[k] = rng_state(device)
+                    env[k] = call(node, value)
+            else:
+                env[k] = call(node, value)
+            for i in drops:
+                del env[i]
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, program: ExactProgram, param_names: list[str], *leaves: Any) -> tuple:
+        env, rng = program.forward_part(leaves)
+        ctx.program, ctx.env, ctx.rng, ctx.param_names = program, env, rng, param_names
+        ctx.num_leaves = len(leaves)
+        outputs = tuple(env[i] for i in program.tensor_outputs)
+        ctx.mark_non_differentiable(*(t for j, t in enumerate(outputs) if j not in program.tangents))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        program = ctx.program
+        env, ctx.env = ctx.env, None
+        env = program.backward_part(env, ctx.rng, [grads[j] for j in program.tangents])
+        by_param = {name: env[i] for name, i in program.gradients.items()}
+        param_grads = [by_param.get(name) for name in ctx.param_names]
+        return (None, None, *param_grads, *[None] * (ctx.num_leaves - len(param_grads)))
+
+
+def _first_reading(graph: Graph, tangents: list[int]) -> int:
+    """The first node (in the graph's order) that depends on the output's gradient."""
+    depends = np.zeros(graph.n, dtype=bool)
+    depends[tangents] = True
+    for v in range(graph.n):
+        if not depends[v] and depends[graph.preds[v]].any():
+            depends[v] = True
+    depends &= ~graph.pinned
+    return int(np.argmax(depends)) if depends.any() else graph.n
+
+
+def _instructions(graph: Graph, schedule: Schedule) -> list[tuple[list[int], list[tuple[int, list[int]]]]]:
+    """Per stage: the tensors to free on entry, then each computation with the tensors to
+    free right after it; the same liveness `simulate()` prices."""
+    n = graph.n
+    resident = graph.pinned | graph.output
+    bounds = np.searchsorted(schedule.stage, np.arange(n + 1))
+    live_until = np.full(n, -1, dtype=np.int64)
+    live_until[graph.pinned] = n - 1
+    expiring: list[list[int]] = [[] for _ in range(n)]
+    stages = []
+    for s in range(n):
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        nodes = schedule.node[lo:hi].tolist()
+        untils = schedule.until[lo:hi].tolist()
+        last_use: dict[int, int] = {}
+        for pos, k in enumerate(nodes):
+            for p in graph.preds[k].tolist():
+                last_use[p] = pos
+        drop_first = []
+        for i in expiring[s]:
+            if live_until[i] == s and not resident[i] and i not in last_use:
+                drop_first.append(i)
+                live_until[i] = -1
+        events = []
+        for pos, (k, u) in enumerate(zip(nodes, untils)):
+            live_until[k] = u
+            if u > s:
+                expiring[u].append(k)
+            drops = [p for p in dict.fromkeys(graph.preds[k].tolist())
+                     if live_until[p] == s and not resident[p] and last_use[p] == pos]
+            if u == s and not resident[k] and last_use.get(k, -1) <= pos:
+                drops.append(k)
+            for i in drops:
+                live_until[i] = -1
+            if not graph.pinned[k]:
+                events.append((k, drops))
+        stages.append((drop_first, events))
+    return stages

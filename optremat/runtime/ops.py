@@ -1,0 +1,64 @@
+"""What the runtimes need to know about a traced op, and how to run one eagerly."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+_BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
+
+
+def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The fx nodes whose tensors `node` writes in place."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    name = schema.name.removeprefix("aten::")
+    if name in _BATCH_NORMS and len(node.args) > 5 and node.args[5] is True:
+        written += [3, 4]
+    return [node.args[i] for i in written if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
+
+
+def signature_of(leaves: list[Any]) -> list[Any]:
+    """Shape, dtype and device of each tensor (other values as they are): what a plan is for."""
+    return [(tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
+def autocast_state() -> tuple:
+    """Which autocast regions are active: a plan traced under autocast holds its casts."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
+def returns_alias(node: torch.fx.Node) -> bool:
+    """Views and in-place ops: their output is another tensor's storage. Rather than stored,
+    a saved one is rerun on its (saved) base when the segment is recomputed."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def call(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any]) -> Any:
+    args = torch.fx.node.map_arg(node.args, value)
+    kwargs = torch.fx.node.map_arg(node.kwargs, value)
+    if node.target is operator.getitem:
+        return args[0][args[1]]
+    return node.target(*args, **kwargs)
