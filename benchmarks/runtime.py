@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -30,7 +31,7 @@ OUT = Path(__file__).with_name("runtime.md")
 DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
 
 
-def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int) -> list[list[str]]:
+def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int) -> Iterator[list[str]]:
     example = build(name)
     model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
@@ -38,15 +39,14 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
     def step(module: torch.nn.Module) -> tuple:
         return torch.autograd.grad(loss_fn(module(*inputs)), params)
 
-    out = []
     for fraction in budgets:
         started = time.perf_counter()
         try:
             plan = optremat.plan(model, inputs, fraction, loss_fn=loss_fn if runtime == "checkpoint" else None,
                                  time_limit=limit, runtime=runtime)
         except optremat.InfeasibleBudget as error:
-            out.append([name, runtime, f"{fraction:.0%}", f"infeasible (smallest {format_bytes(error.smallest)}, "
-                        f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7)
+            yield [name, runtime, f"{fraction:.0%}", f"infeasible (smallest {format_bytes(error.smallest)}, "
+                   f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7
             continue
         seconds = time.perf_counter() - started
         trained = optremat.apply(model, plan)
@@ -60,11 +60,10 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
                 step(module)
                 times.append(time.perf_counter() - begin)
             ratios.append(times[1] / times[0])
-        out.append([name, runtime, f"{fraction:.0%}", f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
-                    format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
-                    f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
-                    f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"])
-    return out
+        yield [name, runtime, f"{fraction:.0%}", f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
+               format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
+               f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
+               f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"]
 
 
 def _baseline(model: torch.nn.Module, inputs: tuple, loss_fn) -> int:
@@ -86,19 +85,19 @@ def main() -> None:
               "measured / budget", "predicted overhead", "measured overhead (median)", "plan s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     print("  ".join(header), flush=True)
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    intro = (f"# Runtimes: predicted vs measured (CPU, float32; {args.models})\n\n"
+             f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
+             f"--runtimes {args.runtimes} --budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
+             f"--out {args.out}`. Budgets are fractions of the unplanned simulated peak (parameters and gradients "
+             "included); measured peaks are profiler memory events; overhead is the median over interleaved "
+             "planned/unplanned step pairs.\n\n")
     for name in args.models.split(","):
         for runtime in args.runtimes.split(","):
             for cells in rows(name, runtime, [float(b) for b in args.budgets.split(",")], args.limit, args.runs):
                 print("  ".join(cells), flush=True)
                 lines.append("| " + " | ".join(cells) + " |")
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    out.write_text(f"# Runtimes: predicted vs measured (CPU, float32; {args.models})\n\n"
-                   f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
-                   f"--runtimes {args.runtimes} --budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
-                   f"--out {args.out}`. Budgets are fractions of "
-                   "the unplanned simulated peak (parameters and gradients included); measured peaks are profiler "
-                   "memory events; overhead is the median over interleaved planned/unplanned step pairs.\n\n"
-                   + "\n".join(lines) + "\n")
+                out.write_text(intro + "\n".join(lines) + "\n")
     print(f"wrote {out}")
     write_results()
 

@@ -1,8 +1,9 @@
-"""`plan()`: from a model, example inputs and a budget to a Plan the checkpoint runtime executes.
+"""`plan()`: from a model, example inputs and a budget to a Plan a runtime executes.
 
-The solvers plan on the coarsened graph; the plan's keep set is then lowered to checkpoint
-segments and every number a Plan reports (peak, overhead) is the lowered schedule's,
-simulated on every op. When lowering pushes the peak over the budget (the runtime
+The solvers plan on the coarsened graph. For the exact runtime the plan runs on every op
+as it is. For the checkpoint runtime its keep set is lowered to checkpoint segments and
+every number a Plan reports (peak, overhead) is the lowered schedule's, simulated on
+every op. When lowering pushes the peak over the budget (the runtime
 recomputes a segment at once, where the solver may place each recomputation just before
 its use), more tensors are dropped, most bytes per recompute-second first, until it fits;
 keep sets built for segments (Chen-style boundaries where the fewest bytes cross) compete
@@ -24,7 +25,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.budget import InfeasibleBudget, resolve_budget
-from optremat.coarsen import coarsen
+from optremat.coarsen import Coarsened, coarsen
 from optremat.extract import Traced, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
@@ -32,7 +33,7 @@ from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, l
 from optremat.runtime.program import Program, Segment
 from optremat.schedule import Schedule, keep_all, simulate
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
-from optremat.solve import SOLVERS, solve
+from optremat.solve import SOLVERS, best_heuristic, solve
 
 FORMAT_VERSION = 1
 RUNTIMES = ("checkpoint", "exact")
@@ -49,7 +50,7 @@ class Plan:
     """A plan for one model and input shape: what to keep, what to recompute, and its price.
 
     `predicted_peak_bytes` and `predicted_overhead` are the simulated numbers of the
-    schedule the checkpoint runtime executes. `status` is OPTIMAL only when the solver
+    schedule its `runtime` executes. `status` is OPTIMAL only when the solver
     proved its plan optimal and lowering lost nothing; `lower_bound` is the solver's
     proven lower bound on the overhead, in the planning model (the coarsened graph, each
     op computed at most a few times), or None when nothing is proven.
@@ -76,6 +77,7 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
+        """The planned graph's fingerprint (ops, tensor types, edges)."""
         return self.graph.fingerprint
 
     def decisions(self) -> dict[str, str]:
@@ -260,16 +262,21 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
     graph = traced.graph
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
-    target, deadline = budget_bytes, started + time_limit
+    target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):
         remaining = max(deadline - time.perf_counter(), 1.0)
         try:
             solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
                              progress=progress)
         except InfeasibleBudget as error:
-            raise InfeasibleBudget(budget_bytes, error.smallest + budget_bytes - target, solver, error.proven) from None
+            reached = _on_every_op(coarse, error.smallest)
+            if reached is None:
+                raise InfeasibleBudget(budget_bytes, error.smallest, f"{solver} (on the coarsened graph)") from None
+            smallest = reached if smallest is None else min(smallest, reached)
+            break
         fine = coarse.expand(solution.schedule)
         result = simulate(coarse.fine, fine)
+        smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
         if result.peak_bytes <= budget_bytes:
             total = graph.total_cost
             return Plan(graph=coarse.fine, schedule=fine, segments=(), program=(),
@@ -281,7 +288,14 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
                         training=model.training, runtime="exact",
                         executable=exact_program(model, traced, inputs, coarse.fine, fine))
         target -= result.peak_bytes - budget_bytes
-    raise InfeasibleBudget(budget_bytes, result.peak_bytes, f"{solver} on every op")
+    raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
+
+
+def _on_every_op(coarse: Coarsened, budget: int) -> int | None:
+    """The peak on every op of the best heuristic plan within `budget` on the coarse graph:
+    a budget the exact runtime can reach (None when no heuristic fits)."""
+    found, _ = best_heuristic(coarse.coarse, budget)
+    return None if found is None else simulate(coarse.fine, coarse.expand(found.schedule)).peak_bytes
 
 
 def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule) -> Any:
