@@ -30,6 +30,14 @@ class InfeasibleBudget(ValueError):
         self.proven = proven
 
 
+def parse_size(text: str) -> int:
+    """Bytes meant by a size: digits, or a number with a unit such as "16GiB" or "500MB"."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not match or match.group(2) not in _UNITS or float(match.group(1)) * _UNITS[match.group(2)] < 1:
+        raise ValueError(f"memory size {text!r} is not understood; give bytes or a size such as '16GiB' or '500MB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
     """Bytes meant by `budget` on `graph` (a fraction is of the unplanned simulated peak)."""
     if isinstance(budget, bool):

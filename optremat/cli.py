@@ -153,6 +153,34 @@ def _cache_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _max_batch_command(args: argparse.Namespace) -> int:
+    from optremat.batch import graph_at, max_batch
+    from optremat.budget import parse_size
+    from optremat.extract import extract
+    from optremat.models import build
+
+    memory = parse_size(args.memory)
+    graphs = []
+    for batch in (1, 2):
+        example = build(args.model, batch=batch)
+        graphs.append(extract(example.model, example.inputs, example.loss_fn, device=args.device))
+
+    def progress(label: str, batch: int, fits: bool) -> None:
+        print(f"  {label:9s} batch {batch:6d}: {'fits' if fits else 'does not fit'}", file=sys.stderr, flush=True)
+
+    result = max_batch(graph_at(graphs[0], graphs[1], 1, 2), memory, max_overhead=args.max_overhead,
+                       time_limit=args.time_limit, progress=progress if args.progress else None)
+    report = {"model": args.model, "memory_bytes": memory, "max_overhead": args.max_overhead,
+              "unplanned_batch": result.unplanned, "planned_batch": result.planned,
+              "planned_overhead": result.planned_overhead, "ratio": result.ratio}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{args.model} in {format_bytes(memory)}: batch {result.unplanned} unplanned, {result.planned} planned "
+          f"({result.ratio:.2f}x) at {result.planned_overhead:.1%} extra compute (cap {args.max_overhead:.0%})")
+    return 0
+
+
 def _show_command(args: argparse.Namespace) -> int:
     from optremat.plan import Plan
 
@@ -244,6 +272,15 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--top", type=int, default=15, help="how many of the largest tensors to explain")
     show.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     show.set_defaults(run=_show_command)
+    batch = commands.add_parser("max-batch", help="largest batch that fits a memory size, with and without planning")
+    batch.add_argument("--model", required=True, choices=sorted(BUILDERS))
+    batch.add_argument("--memory", required=True, help="bytes or a size such as 16GiB")
+    batch.add_argument("--max-overhead", type=float, default=0.25, help="extra compute allowed for a planned batch")
+    batch.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per batch size tried")
+    batch.add_argument("--device", default="cpu", help="device profile for roofline costs (cpu, a100, h100)")
+    batch.add_argument("--progress", action="store_true", help="print each batch size tried to stderr")
+    batch.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    batch.set_defaults(run=_max_batch_command)
     cache = commands.add_parser("cache", help="list or clear the offline plan cache")
     cache.add_argument("action", choices=("list", "clear"))
     cache.add_argument("--dir", default=str(DEFAULT_CACHE), help=f"cache directory (default {DEFAULT_CACHE})")

@@ -196,28 +196,32 @@ def _image(batch: int, side: int) -> torch.Tensor:
     return torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0))
 
 
-BUILDERS: dict[str, Callable[[], Example]] = {
-    "gpt-tiny": lambda: _gpt(vocab=128, seq=32, dim=64, layers=2, heads=4, batch=2),
-    "gpt-small": lambda: _gpt(vocab=50257, seq=1024, dim=768, layers=12, heads=12, batch=4),
-    "resnet-tiny": lambda: _classification(ResNet(16, (1, 1, 1), 10), _image(8, 64), 10),
-    "resnet": lambda: _classification(ResNet(64, (2, 2, 2, 2), 1000), _image(32, 224), 1000),
-    "unet-tiny": lambda: _classification_map(UNet(16, 3, 3), _image(4, 64), 3),
-    "unet": lambda: _classification_map(UNet(64, 4, 3), _image(8, 256), 3),
-    "mlp-tiny": lambda: _classification(mlp(64, 4, 32, 10), torch.randn(8, 32), 10),
-    "mlp": lambda: _classification(mlp(4096, 16, 1024, 1000), torch.randn(256, 1024), 1000),
-    "vgg-tiny": lambda: _classification(vgg((16, 32, 64), 2, 64, 10), _image(8, 64), 10),
-    "vgg": lambda: _classification(vgg((64, 128, 256, 512, 512), 2, 224, 1000), _image(16, 224), 1000),
-    "rnn-tiny": lambda: _classification(UnrolledLSTM(16, 32, 10), torch.randn(4, 8, 16), 10),
-    "rnn": lambda: _classification(UnrolledLSTM(512, 1024, 1000), torch.randn(64, 64, 512), 1000),
+BUILDERS: dict[str, Callable[[int], Example]] = {
+    "gpt-tiny": lambda b: _gpt(vocab=128, seq=32, dim=64, layers=2, heads=4, batch=b),
+    "gpt-small": lambda b: _gpt(vocab=50257, seq=1024, dim=768, layers=12, heads=12, batch=b),
+    "resnet-tiny": lambda b: _classification(ResNet(16, (1, 1, 1), 10), _image(b, 64), 10),
+    "resnet": lambda b: _classification(ResNet(64, (2, 2, 2, 2), 1000), _image(b, 224), 1000),
+    "unet-tiny": lambda b: _classification_map(UNet(16, 3, 3), _image(b, 64), 3),
+    "unet": lambda b: _classification_map(UNet(64, 4, 3), _image(b, 256), 3),
+    "mlp-tiny": lambda b: _classification(mlp(64, 4, 32, 10), torch.randn(b, 32), 10),
+    "mlp": lambda b: _classification(mlp(4096, 16, 1024, 1000), torch.randn(b, 1024), 1000),
+    "vgg-tiny": lambda b: _classification(vgg((16, 32, 64), 2, 64, 10), _image(b, 64), 10),
+    "vgg": lambda b: _classification(vgg((64, 128, 256, 512, 512), 2, 224, 1000), _image(b, 224), 1000),
+    "rnn-tiny": lambda b: _classification(UnrolledLSTM(16, 32, 10), torch.randn(b, 8, 16), 10),
+    "rnn": lambda b: _classification(UnrolledLSTM(512, 1024, 1000), torch.randn(b, 64, 512), 1000),
 }
+BATCH = {"gpt-tiny": 2, "gpt-small": 4, "resnet-tiny": 8, "resnet": 32, "unet-tiny": 4, "unet": 8, "mlp-tiny": 8,
+         "mlp": 256, "vgg-tiny": 8, "vgg": 16, "rnn-tiny": 4, "rnn": 64}
+"""Each built-in model's default batch size."""
 
 
-def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Example:
-    """Build a built-in model by name (see `BUILDERS`), with deterministic weights and data."""
+def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int | None = None) -> Example:
+    """Build a built-in model by name (see `BUILDERS`), with deterministic weights and data,
+    at its default batch size or `batch`."""
     if name not in BUILDERS:
         raise KeyError(f"unknown built-in model {name!r}; choose one of {', '.join(sorted(BUILDERS))}")
     torch.manual_seed(seed)
-    example = BUILDERS[name]()
+    example = BUILDERS[name](BATCH[name] if batch is None else batch)
     if dtype != torch.float32:
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in example.inputs)
         return Example(example.model.to(dtype), inputs, example.loss_fn)

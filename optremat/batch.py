@@ -1,0 +1,118 @@
+"""The largest batch that fits a memory size, with and without planning.
+
+A model is traced (on fake tensors) at two small batch sizes; every tensor's bytes and
+every op's workspace are affine in the batch size, so the graph at any batch follows
+without tracing or allocating at that size. Costs are interpolated the same way, which
+is approximate (a roofline cost is the larger of a compute and a memory time), so the
+overhead of a planned batch is an estimate. The search grows the batch geometrically
+until it stops fitting, then bisects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from optremat.budget import InfeasibleBudget
+from optremat.coarsen import coarsen
+from optremat.graph import Graph
+from optremat.schedule import keep_all, simulate
+from optremat.solve import solve
+
+
+@dataclass(frozen=True)
+class BatchSearch:
+    """Largest batch that fits unplanned, and planned within the overhead cap (with its overhead)."""
+
+    memory: int
+    unplanned: int
+    planned: int
+    planned_overhead: float
+
+    @property
+    def ratio(self) -> float:
+        return self.planned / self.unplanned if self.unplanned else float("inf")
+
+
+def graph_at(small: Graph, large: Graph, b_small: int, b_large: int) -> Callable[[int], Graph]:
+    """The graph at any batch size, from the graphs traced at two batch sizes."""
+    if small.names != large.names or small.ops != large.ops or not np.array_equal(small.edges, large.edges):
+        raise ValueError("the step's graph changes shape with the batch size; max-batch needs a fixed structure")
+
+    def at(batch: int) -> Graph:
+        t = (batch - b_small) / (b_large - b_small)
+
+        def affine(a: np.ndarray, b: np.ndarray, dtype: type) -> np.ndarray:
+            value = np.maximum(a + (b - a) * t, 0)
+            out = np.rint(value).astype(dtype) if dtype is np.int64 else value.astype(dtype)
+            out.setflags(write=False)
+            return out
+
+        return replace(small, size=affine(small.size, large.size, np.int64),
+                       workspace=affine(small.workspace, large.workspace, np.int64),
+                       cost=affine(small.cost, large.cost, np.float64))
+
+    return at
+
+
+def max_batch(graph_for: Callable[[int], Graph], memory: int, *, max_overhead: float = 0.25,
+              time_limit: float = 10.0, limit: int = 1 << 20,
+              progress: Callable[[str, int, bool], None] | None = None) -> BatchSearch:
+    """Search the largest batch whose unplanned step fits `memory`, and the largest whose
+    planned step fits with at most `max_overhead` extra compute (solver "auto" with
+    `time_limit` per try; the planned step's peak is checked on every op)."""
+
+    def unplanned(batch: int) -> tuple[bool, float]:
+        graph = graph_for(batch)
+        return simulate(graph, keep_all(graph)).peak_bytes <= memory, 0.0
+
+    def planned(batch: int) -> tuple[bool, float]:
+        graph = graph_for(batch)
+        if simulate(graph, keep_all(graph)).peak_bytes <= memory:
+            return True, 0.0
+        coarse = coarsen(graph)
+        try:
+            solution = solve(coarse.coarse, memory, "auto", time_limit=time_limit)
+        except (InfeasibleBudget, TimeoutError):
+            return False, 0.0
+        result = simulate(coarse.fine, coarse.expand(solution.schedule))
+        return result.peak_bytes <= memory and result.overhead <= max_overhead, result.overhead
+
+    largest_unplanned, _ = _search(unplanned, 1, limit, "unplanned", progress)
+    largest_planned, overhead = _search(planned, max(largest_unplanned, 1), limit, "planned", progress)
+    return BatchSearch(memory, largest_unplanned, largest_planned, overhead)
+
+
+def _search(fits: Callable[[int], tuple[bool, float]], start: int, limit: int, label: str,
+            progress: Callable[[str, int, bool], None] | None) -> tuple[int, float]:
+    """Largest batch in [1, limit] for which `fits` holds (0 if none), assuming it holds
+    below some size and not above; with the overhead of that batch's plan."""
+    def check(batch: int) -> tuple[bool, float]:
+        ok, overhead = fits(batch)
+        if progress is not None:
+            progress(label, batch, ok)
+        return ok, overhead
+
+    ok, overhead = check(start)
+    if not ok:
+        if start == 1:
+            return 0, 0.0
+        return _search(fits, 1, start - 1, label, progress)
+    good, good_overhead, bad = start, overhead, None
+    while bad is None and good < limit:
+        trial = min(good * 2, limit)
+        ok, overhead = check(trial)
+        if ok:
+            good, good_overhead = trial, overhead
+        else:
+            bad = trial
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        ok, overhead = check(mid)
+        if ok:
+            good, good_overhead = mid, overhead
+        else:
+            bad = mid
+    return good, good_overhead

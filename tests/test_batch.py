@@ -1,0 +1,52 @@
+"""Max-batch search: graphs at any batch size from two traces, and the search itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from optremat import extract, keep_all, simulate
+from optremat.batch import graph_at, max_batch
+from optremat.models import build
+
+
+def traced(name: str, batch: int):
+    example = build(name, batch=batch)
+    return extract(example.model, example.inputs, example.loss_fn)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny"])
+def test_graph_at_a_batch_matches_tracing_at_that_batch(name: str) -> None:
+    at = graph_at(traced(name, 1), traced(name, 2), 1, 2)
+    want = traced(name, 5)
+    got = at(5)
+    assert np.array_equal(got.size, want.size) and np.array_equal(got.workspace, want.workspace)
+    np.testing.assert_allclose(got.cost, want.cost, rtol=0.2)
+    assert simulate(got, keep_all(got)).peak_bytes == simulate(want, keep_all(want)).peak_bytes
+
+
+def test_max_batch_finds_the_boundary_and_planning_fits_more() -> None:
+    at = graph_at(traced("gpt-tiny", 1), traced("gpt-tiny", 2), 1, 2)
+    memory = 4 * 2**20
+    result = max_batch(at, memory, max_overhead=0.25, time_limit=5)
+    peak = lambda b: simulate(at(b), keep_all(at(b))).peak_bytes  # noqa: E731
+    assert peak(result.unplanned) <= memory < peak(result.unplanned + 1)
+    assert result.planned > result.unplanned and result.planned_overhead <= 0.25
+    assert result.ratio == result.planned / result.unplanned
+
+
+def test_cli_max_batch() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "optremat.cli", "max-batch", "--model", "gpt-tiny", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    result = run("--memory", "4MiB", "--time-limit", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["planned_batch"] >= report["unplanned_batch"] > 0
+    bad = run("--memory", "lots")
+    assert bad.returncode == 2 and "memory size" in bad.stderr and bad.stderr.strip().count("\n") == 0
