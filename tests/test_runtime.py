@@ -297,3 +297,17 @@ def test_exact_runtime_refuses_a_folded_loss() -> None:
     model, inputs, loss_fn = deep_mlp()
     with pytest.raises(ValueError, match="loss outside"):
         optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, runtime="exact")
+
+
+def test_saved_exact_plan_applies_after_loading_and_refuses_another_model(tmp_path) -> None:
+    model, inputs, loss_fn = convnet()
+    state = copy.deepcopy(model.state_dict())
+    plan = optremat.plan(model, inputs, 0.7, time_limit=5, runtime="exact")
+    plan.save(tmp_path / "plan.json")
+    loaded = optremat.Plan.load(tmp_path / "plan.json")
+    assert loaded.runtime == "exact" and loaded.executable is None
+    assert_same_step(train_step(optremat.apply(model, loaded), model, inputs, loss_fn, state),
+                     train_step(model, model, inputs, loss_fn, state))
+    other, other_inputs, _ = deep_mlp()
+    with pytest.raises(optremat.PlanMismatch, match="another model"):
+        optremat.apply(other, loaded)(*other_inputs)

@@ -53,14 +53,13 @@ class Planned(nn.Module):
 
     def _trace(self, args: tuple) -> Any:
         traced = trace(self.model, args)
-        if self.plan.runtime == "exact":
-            program = exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule)
-        else:
-            program = program_of(self.model, traced, args)
-        if program.fingerprint != self.plan.program_fingerprint:
-            raise PlanMismatch("this plan was made for another model or input shape (program fingerprint "
-                               f"{self.plan.program_fingerprint}, this model gives {program.fingerprint}); plan again")
-        return program
+        exact = self.plan.runtime == "exact"
+        program = None if exact else program_of(self.model, traced, args)
+        fingerprint = traced.graph.fingerprint if exact else program.fingerprint
+        if fingerprint != self.plan.program_fingerprint:
+            raise PlanMismatch("this plan was made for another model or input shape (fingerprint "
+                               f"{self.plan.program_fingerprint}, this model gives {fingerprint}); plan again")
+        return exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule) if exact else program
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.model.state_dict(*args, **kwargs)
