@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from optremat.budget import InfeasibleBudget, resolve_budget
+from optremat.budget import ACCEPTED, InfeasibleBudget, resolve_budget
 from optremat.coarsen import Coarsened, coarsen
 from optremat.extract import Traced, trace
 from optremat.graph import Graph, format_bytes
@@ -221,6 +221,10 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     traced = trace(model, inputs, loss_fn, cost_model=cost_model, device=device or _model_device(model))
     graph = traced.graph
     budget_bytes = resolve_budget(graph, budget)
+    floor = int(graph.size[graph.pinned | graph.output].sum())
+    if budget_bytes < floor:
+        raise ValueError(f"budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} of parameters, "
+                         f"inputs and gradients that every step holds; {ACCEPTED}, at least that")
     device_name = device or _model_device(model)
     forward = program_of(model, traced, inputs) if runtime == "checkpoint" else None
     fingerprint = graph.fingerprint if forward is None else forward.fingerprint

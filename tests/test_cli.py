@@ -92,3 +92,18 @@ def test_show_rejects_a_file_that_is_not_a_plan(tmp_path):
     (tmp_path / "x.json").write_text('{"format": "something else"}')
     result = run("show", str(tmp_path / "x.json"))
     assert result.returncode == 2 and "not an optremat plan" in result.stderr
+
+
+def test_plan_model_bad_budgets_exit_2_with_one_line():
+    for bad in ("0", "-1", "nan", "2.5", "12 parsecs", "1000"):
+        result = run("plan", "--model", "mlp-tiny", "--budget", bad)
+        assert result.returncode == 2, (bad, result.stderr)
+        assert result.stderr.strip().count("\n") == 0 and "a budget is" in result.stderr, (bad, result.stderr)
+    below = run("plan", "--model", "mlp-tiny", "--budget", "1000")
+    assert "parameters, inputs and gradients" in below.stderr
+
+
+def test_plan_model_infeasible_budget_exits_3_naming_the_smallest():
+    result = run("plan", "--model", "resnet-tiny", "--budget", "0.3", "--time-limit", "5")
+    assert result.returncode == 3, result.stderr
+    assert "smallest budget" in result.stderr and result.stderr.strip().count("\n") == 0
