@@ -230,7 +230,7 @@ def test_summary_and_explain_name_the_decisions() -> None:
 def test_infeasible_budget_names_the_smallest() -> None:
     model, inputs, loss_fn = deep_mlp()
     with pytest.raises(optremat.InfeasibleBudget) as error:
-        optremat.plan(model, inputs, 0.05, loss_fn=loss_fn, time_limit=5)
+        optremat.plan(model, inputs, 0.3, loss_fn=loss_fn, time_limit=5)
     assert error.value.smallest > error.value.budget
 
 
