@@ -49,8 +49,9 @@ def main() -> None:
     OUT.write_text("# Max batch: unplanned vs planned\n\n"
                    f"Machine: {machine}. Command: `python -m benchmarks.max_batch --cases {args.cases} "
                    f"--max-overhead {args.max_overhead} --limit {args.limit:g}`. Peaks are simulated on every op "
-                   "(parameters and gradients included); a planned batch must fit with at most the overhead cap of "
-                   "extra compute (roofline costs, interpolated across batch sizes).\n\n" + "\n".join(lines) + "\n")
+                   "(parameters and gradients included); a planned batch's schedule (run as it is by the exact runtime) "
+                   "must fit with at most the overhead cap of extra compute (roofline costs, interpolated across batch "
+                   "sizes).\n\n" + "\n".join(lines) + "\n")
     print(f"wrote {OUT}")
     write_results()
 
