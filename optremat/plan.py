@@ -218,14 +218,14 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
                          "plan without loss_fn (compute the loss outside the model)")
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    traced = trace(model, inputs, loss_fn, cost_model=cost_model, device=device or _model_device(model))
+    device_name = device or _model_device(model)
+    traced = trace(model, inputs, loss_fn, cost_model=cost_model, device=device_name)
     graph = traced.graph
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
     if budget_bytes < floor:
         raise ValueError(f"budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} of parameters, "
                          f"inputs and gradients that every step holds; {ACCEPTED}, at least that")
-    device_name = device or _model_device(model)
     forward = program_of(model, traced, inputs) if runtime == "checkpoint" else None
     fingerprint = graph.fingerprint if forward is None else forward.fingerprint
     options = dict(solver=solver, time_limit=time_limit, workers=workers, seed=seed, started=started,

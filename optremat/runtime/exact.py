@@ -31,9 +31,6 @@ class ExactProgram:
 
     def __init__(self, traced: Traced, graph: Graph, schedule: Schedule, num_params: int, num_buffers: int,
                  num_inputs: int) -> None:
-        if not traced.tangents:
-            raise ValueError("the exact runtime runs the backward from the output's gradient: "
-                             "plan without loss_fn (compute the loss outside the model)")
         gm = traced.module
         by_name = {n.name: n for n in gm.graph.nodes}
         self.nodes = [by_name[name] for name in graph.names]
