@@ -311,3 +311,20 @@ def test_saved_exact_plan_applies_after_loading_and_refuses_another_model(tmp_pa
     other, other_inputs, _ = deep_mlp()
     with pytest.raises(optremat.PlanMismatch, match="another model"):
         optremat.apply(other, loaded)(*other_inputs)
+
+
+def test_exact_runtime_with_tied_weights_and_structured_outputs() -> None:
+    torch.manual_seed(0)
+    model = TiedOutputs().double()
+    batch = {"ids": torch.randint(0, 32, (256, 16))}
+
+    def loss_fn(result: dict) -> torch.Tensor:
+        return result["scale"] * result["out"].logits.pow(2).mean() + result["out"].hidden.mean()
+
+    state = copy.deepcopy(model.state_dict())
+    plan = optremat.plan(model, (batch,), 0.9, time_limit=5, runtime="exact")
+    trained = optremat.apply(model, plan)
+    assert_same_step(train_step(trained, model, (batch,), loss_fn, state),
+                     train_step(model, model, (batch,), loss_fn, state))
+    result = trained(batch)
+    assert isinstance(result["out"], Output) and result["scale"] == 2

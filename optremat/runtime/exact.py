@@ -44,9 +44,9 @@ class ExactProgram:
         self.signature = signature_of([n.meta.get("val") for n in placeholders[num_params + num_buffers:leaves]])
         self.autocast = autocast_state()
         self.output_spec = traced.output_spec
-        self.output_leaves = tuple(index[by_name[leaf]] if isinstance(leaf, str) else leaf
-                                   for leaf in traced.output_leaves)
-        self.tensor_outputs = [leaf for leaf in self.output_leaves if isinstance(leaf, int)]
+        self.output_leaves = tuple((True, index[by_name[leaf]]) if isinstance(leaf, str) and leaf in by_name
+                                   else (False, leaf) for leaf in traced.output_leaves)
+        self.tensor_outputs = [value for produced, value in self.output_leaves if produced]
         self.tangents = traced.tangents
         returned = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
         results = len(returned) - len(self.tensor_outputs)
@@ -61,7 +61,7 @@ class ExactProgram:
         """The model's output for one training step; its backward runs the rest of the schedule."""
         outputs = _Step.apply(self, param_names, *leaves)
         values = iter(outputs)
-        return tree_unflatten([next(values) if isinstance(leaf, int) else leaf for leaf in self.output_leaves],
+        return tree_unflatten([next(values) if produced else value for produced, value in self.output_leaves],
                               self.output_spec)
 
     def forward_part(self, leaves: tuple) -> tuple[dict[int, Any], dict[int, Any]]:
