@@ -48,6 +48,9 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
             yield [name, runtime, f"{fraction:.0%}", f"infeasible (smallest {format_bytes(error.smallest)}, "
                    f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7
             continue
+        except ValueError as error:
+            yield [name, runtime, f"{fraction:.0%}", f"refused: {str(error).split(';')[0]}"] + ["-"] * 7
+            continue
         seconds = time.perf_counter() - started
         trained = optremat.apply(model, plan)
         step(trained)
