@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.budget import ACCEPTED, InfeasibleBudget, resolve_budget
-from optremat.coarsen import Coarsened, coarsen
+from optremat.coarsen import coarsen
 from optremat.extract import Traced, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
@@ -262,22 +262,23 @@ def _relative(progress: Progress, total: float) -> Progress:
 def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: int, *, solver: str,
                  time_limit: float, workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
     """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
-    plan peaks over the budget on every op, solve again with the budget reduced by the excess."""
+    plan peaks over the budget on every op, solve again with the budget reduced by the excess.
+    Once the solver finds no plan, the best heuristic plan at the smallest budget it names
+    is the last try."""
     graph = traced.graph
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):
         remaining = max(deadline - time.perf_counter(), 1.0)
+        exhausted = False
         try:
             solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
                              progress=progress)
         except InfeasibleBudget as error:
-            reached = _on_every_op(coarse, error.smallest)
-            if reached is None:
+            solution, exhausted = best_heuristic(coarse.coarse, error.smallest)[0], True
+            if solution is None:
                 raise InfeasibleBudget(budget_bytes, error.smallest, f"{solver} (on the coarsened graph)") from None
-            smallest = reached if smallest is None else min(smallest, reached)
-            break
         fine = coarse.expand(solution.schedule)
         result = simulate(coarse.fine, fine)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
@@ -291,15 +292,10 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
                         solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
                         training=model.training, runtime="exact",
                         executable=exact_program(model, traced, inputs, coarse.fine, fine))
+        if exhausted:
+            break
         target -= result.peak_bytes - budget_bytes
     raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
-
-
-def _on_every_op(coarse: Coarsened, budget: int) -> int | None:
-    """The peak on every op of the best heuristic plan within `budget` on the coarse graph:
-    a budget the exact runtime can reach (None when no heuristic fits)."""
-    found, _ = best_heuristic(coarse.coarse, budget)
-    return None if found is None else simulate(coarse.fine, coarse.expand(found.schedule)).peak_bytes
 
 
 def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule) -> Any:
