@@ -153,22 +153,26 @@ class TiedOutputs(nn.Module):
         return {"out": Output(self.out(hidden), hidden), "scale": 2}
 
 
-def test_tied_weights_dict_inputs_and_structured_outputs() -> None:
+def tied_outputs() -> tuple[nn.Module, tuple, callable]:
     torch.manual_seed(0)
-    model = TiedOutputs().double()
     batch = {"ids": torch.randint(0, 32, (256, 16))}
 
     def loss_fn(result: dict) -> torch.Tensor:
         return result["scale"] * result["out"].logits.pow(2).mean() + result["out"].hidden.mean()
 
-    state = copy.deepcopy(model.state_dict())
-    want = train_step(model, model, (batch,), loss_fn, state)
-    plan = optremat.plan(model, (batch,), 1.0, time_limit=5)
-    trained = optremat.apply(model, plan)
-    got = train_step(trained, model, (batch,), loss_fn, state)
-    assert_same_step(got, want)
-    assert isinstance(trained(batch)["out"], Output)
+    return TiedOutputs().double(), (batch,), loss_fn
 
+
+@pytest.mark.parametrize("runtime,budget", [("checkpoint", 1.0), ("exact", 0.9)])
+def test_tied_weights_dict_inputs_and_structured_outputs(runtime: str, budget: float) -> None:
+    model, inputs, loss_fn = tied_outputs()
+    state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, inputs, loss_fn, state)
+    plan = optremat.plan(model, inputs, budget, time_limit=5, runtime=runtime)
+    trained = optremat.apply(model, plan)
+    assert_same_step(train_step(trained, model, inputs, loss_fn, state), want)
+    result = trained(*inputs)
+    assert isinstance(result["out"], Output) and result["scale"] == 2
 
 def test_autocast_plan_runs_under_autocast() -> None:
     torch.manual_seed(0)
@@ -311,20 +315,3 @@ def test_saved_exact_plan_applies_after_loading_and_refuses_another_model(tmp_pa
     other, other_inputs, _ = deep_mlp()
     with pytest.raises(optremat.PlanMismatch, match="another model"):
         optremat.apply(other, loaded)(*other_inputs)
-
-
-def test_exact_runtime_with_tied_weights_and_structured_outputs() -> None:
-    torch.manual_seed(0)
-    model = TiedOutputs().double()
-    batch = {"ids": torch.randint(0, 32, (256, 16))}
-
-    def loss_fn(result: dict) -> torch.Tensor:
-        return result["scale"] * result["out"].logits.pow(2).mean() + result["out"].hidden.mean()
-
-    state = copy.deepcopy(model.state_dict())
-    plan = optremat.plan(model, (batch,), 0.9, time_limit=5, runtime="exact")
-    trained = optremat.apply(model, plan)
-    assert_same_step(train_step(trained, model, (batch,), loss_fn, state),
-                     train_step(model, model, (batch,), loss_fn, state))
-    result = trained(batch)
-    assert isinstance(result["out"], Output) and result["scale"] == 2
