@@ -1,7 +1,9 @@
 """Built-in models for the CLI, tests and benchmarks.
 
 Each comes in a tiny configuration (tests: seconds on a CPU) and a realistic one
-(`gpt-small` is GPT-2 small's shape). `build(name)` returns the model, example inputs
+(`gpt-small` is GPT-2 small's shape); `gpt-mini` and `resnet-mini` sit between, big
+enough that compute rather than Python dominates a CPU step and small enough to time
+in a fraction of a second. `build(name)` returns the model, example inputs
 and a loss over the model's output, so a training step is `loss_fn(model(*inputs))`.
 """
 
@@ -198,8 +200,10 @@ def _image(batch: int, side: int) -> torch.Tensor:
 
 BUILDERS: dict[str, Callable[[int], Example]] = {
     "gpt-tiny": lambda b: _gpt(vocab=128, seq=32, dim=64, layers=2, heads=4, batch=b),
+    "gpt-mini": lambda b: _gpt(vocab=8192, seq=256, dim=256, layers=4, heads=4, batch=b),
     "gpt-small": lambda b: _gpt(vocab=50257, seq=1024, dim=768, layers=12, heads=12, batch=b),
     "resnet-tiny": lambda b: _classification(ResNet(16, (1, 1, 1), 10), _image(b, 64), 10),
+    "resnet-mini": lambda b: _classification(ResNet(32, (1, 1, 1, 1), 100), _image(b, 96), 100),
     "resnet": lambda b: _classification(ResNet(64, (2, 2, 2, 2), 1000), _image(b, 224), 1000),
     "unet-tiny": lambda b: _classification_map(UNet(16, 3, 3), _image(b, 64), 3),
     "unet": lambda b: _classification_map(UNet(64, 4, 3), _image(b, 256), 3),
@@ -210,7 +214,7 @@ BUILDERS: dict[str, Callable[[int], Example]] = {
     "rnn-tiny": lambda b: _classification(UnrolledLSTM(16, 32, 10), torch.randn(b, 8, 16), 10),
     "rnn": lambda b: _classification(UnrolledLSTM(512, 1024, 1000), torch.randn(b, 64, 512), 1000),
 }
-BATCH = {"gpt-tiny": 2, "gpt-small": 4, "resnet-tiny": 8, "resnet": 32, "unet-tiny": 4, "unet": 8, "mlp-tiny": 8,
+BATCH = {"gpt-tiny": 2, "gpt-mini": 4, "gpt-small": 4, "resnet-tiny": 8, "resnet-mini": 16, "resnet": 32, "unet-tiny": 4, "unet": 8, "mlp-tiny": 8,
          "mlp": 256, "vgg-tiny": 8, "vgg": 16, "rnn-tiny": 4, "rnn": 64}
 """Each built-in model's default batch size."""
 

@@ -6,8 +6,9 @@ every number a Plan reports (peak, overhead) is the lowered schedule's, simulate
 every op. When lowering pushes the peak over the budget (the runtime
 recomputes a segment at once, where the solver may place each recomputation just before
 its use), more tensors are dropped, most bytes per recompute-second first, until it fits;
-keep sets built for segments (Chen-style boundaries where the fewest bytes cross) compete
-too, and the cheapest plan that fits wins ("segments" names a plan of the latter kind).
+keep sets built for segments (Chen-style boundaries where the fewest bytes cross, and
+module boundaries as in per-block checkpointing) compete too, and the cheapest plan that
+fits wins ("segments" names a plan of the latter kind).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from optremat.coarsen import coarsen
 from optremat.extract import Traced, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
-from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower
+from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower, module_keep_sets
 from optremat.runtime.program import Program, Segment
 from optremat.schedule import Schedule, keep_all, simulate
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
@@ -324,7 +325,7 @@ def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, budget_b
     except InfeasibleBudget:
         pass
     candidates = [(solution is not None, *fit(graph, kept, program, budget_bytes))]
-    for keep_set in boundary_keep_sets(graph, program):
+    for keep_set in boundary_keep_sets(graph, program) + module_keep_sets(graph, program):
         lowered = lower(graph, keep_set, program)
         candidates.append((False, lowered, simulate(graph, lowered.schedule)))
     fitting = [c for c in candidates if c[2].peak_bytes <= budget_bytes]

@@ -3,7 +3,8 @@
 A plan says which forward tensors are kept for the backward. The checkpoint runtime
 realises it with segments of consecutive forward ops: a segment ends where every tensor
 crossing the boundary is kept anyway, so the next segment's inputs cost nothing extra.
-Inside a checkpointed segment the kept ops are saved; the dropped tensors the backward
+Inside a checkpointed segment the kept tensors that the backward or the recomputation
+reads are saved (saving one that nothing reads would only hold memory); the dropped tensors the backward
 reads, and the dropped ancestors they need within the segment, are recomputed all at once
 when the backward first reads one of the segment's tensors; each recomputed tensor then
 lives until its last backward reader. A tensor the plan drops but that the runtime
@@ -64,6 +65,8 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
     base = _storage_base(graph)
 
     backward_reads = [[int(s) for s in succs[v] if backward[s]] for v in range(n)]
+    read_by_backward = np.zeros(n, dtype=bool)
+    read_by_backward[base[[v for v in range(n) if backward_reads[v]]]] = True
     last_forward_read = np.full(n, -1, dtype=np.int64)
     for v in program.tolist():
         readers = [position[s] if position[s] >= 0 else m for s in succs[v].tolist() if not backward[s]]
@@ -94,8 +97,10 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
             for p in graph.preds[v].tolist():
                 if not start <= position[p] < stop:
                     held[p] = max(held.get(p, t), t)
-        lowered.append(Segment(start, stop, frozenset(graph.names[v] for v in members if saved[v]),
-                               frozenset(graph.names[v] for v in needed)))
+        read = {int(base[p]) for u in needed for p in graph.preds[u].tolist()}
+        stored = frozenset(graph.names[v] for v in members
+                           if saved[v] and (read_by_backward[base[v]] or base[v] in read))
+        lowered.append(Segment(start, stop, stored, frozenset(graph.names[v] for v in needed)))
     return Lowering(tuple(lowered), _schedule(graph, recompute, held), saved)
 
 
@@ -133,15 +138,8 @@ def boundary_keep_sets(graph: Graph, program: np.ndarray, thresholds: int = 12) 
     holds more than a threshold of bytes, end it at the nearby op where the fewest bytes
     cross; keep exactly what crosses the chosen boundaries. Thresholds sweep geometrically."""
     m = len(program)
-    position = np.full(graph.n, -1, dtype=np.int64)
-    position[program] = np.arange(m)
-    base = _storage_base(graph)
     size = np.where(graph.alias_of[program] < 0, graph.size[program], 0).astype(np.int64)
-    reach = np.full(graph.n, -1, dtype=np.int64)
-    for k, v in enumerate(program.tolist()):
-        reads = [position[s] if position[s] >= 0 else m for s in graph.succs[v].tolist() if not graph.backward[s]]
-        reach[base[v]] = max([reach[base[v]], k] + reads)
-    last_read = reach[program]
+    last_read = _last_read(graph, program)
     crossing = np.zeros(m + 2, dtype=np.int64)
     np.add.at(crossing, np.arange(m) + 1, size)
     np.add.at(crossing, np.maximum(last_read, np.arange(m)) + 1, -size)
@@ -163,11 +161,49 @@ def boundary_keep_sets(graph: Graph, program: np.ndarray, thresholds: int = 12) 
                 cuts.append(p)
                 since = 0
             p += 1
-        kept = np.zeros(graph.n, dtype=bool)
-        for cut in cuts:
-            kept[program[(np.arange(m) < cut) & (last_read >= cut)]] = True
-        keep_sets.append(kept)
+        keep_sets.append(_crossing(graph, program, last_read, cuts))
     return keep_sets
+
+
+def module_keep_sets(graph: Graph, program: np.ndarray, strides: tuple[int, ...] = (1, 2, 3, 4)) -> list[np.ndarray]:
+    """Keep sets that cut the forward where a module at some depth of the module tree
+    starts (every block, every second block, ...), as hand-written per-block
+    checkpointing does; keep exactly what crosses the cuts."""
+    paths = [graph.module[v].split(".") if graph.module[v] else [] for v in program.tolist()]
+    last_read = _last_read(graph, program)
+    keep_sets, seen = [], set()
+    for depth in range(1, max((len(p) for p in paths), default=0) + 1):
+        starts = [k for k in range(1, len(paths))
+                  if len(paths[k]) >= depth and paths[k][:depth] != paths[k - 1][:depth]]
+        for stride in strides:
+            cuts = tuple(starts[stride - 1::stride])
+            if cuts and cuts not in seen:
+                seen.add(cuts)
+                keep_sets.append(_crossing(graph, program, last_read, list(cuts)))
+    return keep_sets
+
+
+def _last_read(graph: Graph, program: np.ndarray) -> np.ndarray:
+    """Per program position, the last position whose op reads that op's storage in the
+    forward (len(program) for reads after the program)."""
+    m = len(program)
+    position = np.full(graph.n, -1, dtype=np.int64)
+    position[program] = np.arange(m)
+    base = _storage_base(graph)
+    reach = np.full(graph.n, -1, dtype=np.int64)
+    for k, v in enumerate(program.tolist()):
+        reads = [position[s] if position[s] >= 0 else m for s in graph.succs[v].tolist() if not graph.backward[s]]
+        reach[base[v]] = max([reach[base[v]], k] + reads)
+    return reach[program]
+
+
+def _crossing(graph: Graph, program: np.ndarray, last_read: np.ndarray, cuts: list[int]) -> np.ndarray:
+    """Keep exactly the tensors that cross one of `cuts` (program positions)."""
+    kept = np.zeros(graph.n, dtype=bool)
+    positions = np.arange(len(program))
+    for cut in cuts:
+        kept[program[(positions < cut) & (last_read >= cut)]] = True
+    return kept
 
 
 def _closure(graph: Graph, nodes: list[int], inside: Callable[[int], bool]) -> list[int]:

@@ -1,0 +1,192 @@
+"""Measured head-to-head on one model: optremat's plans against what a user would
+otherwise run.
+
+Peers: no rematerialization; `torch.utils.checkpoint` around every repeated block (what
+most people write by hand); PyTorch's own planner, `activation_memory_budget` under
+`torch.compile`, at several budgets; optremat at the measured peak of each peer, so the
+comparison is at equal memory. Every figure is measured: the peak from the CPU
+profiler's memory events (the CUDA allocator on a GPU), the overhead as the median over
+interleaved pairs of steps against the same mode's unplanned baseline (eager against
+eager, compiled against compiled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from optremat.budget import InfeasibleBudget
+from optremat.plan import plan
+from optremat.runtime.checkpoint import apply
+from optremat.runtime.measure import measure_peak
+
+Step = Callable[[], Any]
+Report = Callable[["Measured"], None]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One method run on the model: its measured peak and step-time overhead.
+
+    `overhead` is against `baseline` (the unplanned step in the same mode);
+    `setup_seconds` is planning or compilation time; `predicted_peak_bytes` is the
+    plan's own prediction where the method makes one. `note` explains a method that
+    did not run (then the figures are zero).
+    """
+
+    method: str
+    baseline: str
+    peak_bytes: int = 0
+    overhead: float = 0.0
+    step_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    predicted_peak_bytes: int | None = None
+    matches: str | None = None
+    note: str = ""
+
+    @property
+    def ran(self) -> bool:
+        return not self.note
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Names of the modules a user would checkpoint by hand: the composite children of
+    every `nn.Sequential` / `nn.ModuleList`, outermost only (a transformer's blocks, a
+    ResNet's residual blocks, a U-Net's conv stages)."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in found):
+            continue
+        if isinstance(module, (nn.Sequential, nn.ModuleList)):
+            found += [f"{name}.{child}" if name else child for child, sub in module.named_children()
+                      if any(True for _ in sub.children())]
+    return found
+
+
+@contextlib.contextmanager
+def checkpointed_blocks(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Run each named submodule under non-reentrant `torch.utils.checkpoint` while the
+    context is open; the model is restored on exit."""
+    modules = [model.get_submodule(name) for name in names]
+    for module in modules:
+        inner = module.forward
+        module.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
+
+
+def torch_budget_backend(budget: float, backend: str = "aot_eager_decomp_partition") -> Callable:
+    """A `torch.compile` backend that partitions with `activation_memory_budget=budget`.
+
+    Each call makes a distinct backend callable, so compiled variants of one model do not
+    share Dynamo's cache (it guards on the backend's identity), and the budget is set only
+    while this backend compiles rather than globally.
+    """
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inner = lookup_backend(backend)
+
+    def compile_with_budget(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return inner(graph_module, example_inputs)
+
+    return compile_with_budget
+
+
+def compare(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor], *,
+            torch_budgets: Sequence[float] = (0.5, 0.1), backend: str = "aot_eager_decomp_partition",
+            fractions: Sequence[float] = (), runs: int = 5, time_limit: float = 30.0,
+            report: Report | None = None) -> list[Measured]:
+    """Measure every peer on `loss_fn(model(*inputs))`, then optremat at each peer's
+    measured peak and at each fraction of the unplanned peak in `fractions`.
+
+    `report` is called with each result as it is measured (long runs show progress).
+    """
+    inputs = tuple(inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    resident = [params, list(model.buffers()), inputs]
+    results: list[Measured] = []
+
+    def step_of(module: Callable) -> Step:
+        return lambda: torch.autograd.grad(loss_fn(module(*inputs)), params)
+
+    def add(result: Measured) -> None:
+        results.append(result)
+        if report is not None:
+            report(result)
+
+    def measure(method: str, baseline: tuple[str, Step], step: Step, setup: float, **extra: Any) -> None:
+        base_name, base_step = baseline
+        started = time.perf_counter()
+        step()
+        setup += time.perf_counter() - started
+        peak = measure_peak(step, resident=resident).peak_bytes
+        ratios, times = [], []
+        for _ in range(runs):
+            pair = []
+            for s in (base_step, step):
+                begin = time.perf_counter()
+                s()
+                pair.append(time.perf_counter() - begin)
+            ratios.append(pair[1] / pair[0])
+            times.append(pair[1])
+        add(Measured(method, base_name, peak, statistics.median(ratios) - 1, statistics.median(times), setup,
+                     **extra))
+
+    eager = ("eager", step_of(model))
+    eager[1]()
+    measure("no remat", eager, eager[1], 0.0)
+    unplanned_peak = results[0].peak_bytes
+
+    blocks = repeated_blocks(model)
+    if blocks:
+        def per_block() -> Any:
+            with checkpointed_blocks(model, blocks):
+                return eager[1]()
+
+        measure(f"checkpoint {len(blocks)} blocks", eager, per_block, 0.0)
+    else:
+        add(Measured("checkpoint blocks", "eager", note="no repeated blocks to checkpoint"))
+
+    if torch_budgets:
+        compiled_baseline = None
+        for budget in (1.0,) + tuple(torch_budgets):
+            started = time.perf_counter()
+            try:
+                compiled = torch.compile(model, backend=torch_budget_backend(budget, backend))
+                step = step_of(compiled)
+                step()
+            except Exception as error:  # a compiler failure is a result to report, not a crash
+                add(Measured(f"torch budget {budget:g}", backend, note=f"{type(error).__name__}: {error}"[:200]))
+                continue
+            setup = time.perf_counter() - started
+            if compiled_baseline is None:
+                compiled_baseline = (backend, step)
+                measure(f"torch budget {budget:g}", eager, step, setup)
+            else:
+                measure(f"torch budget {budget:g}", compiled_baseline, step, setup)
+
+    targets = [(r.method, r.peak_bytes) for r in results if r.ran and r.method != "no remat"]
+    targets += [(f"{fraction:.0%} of unplanned", int(fraction * unplanned_peak)) for fraction in fractions]
+    for matches, budget in targets:
+        started = time.perf_counter()
+        try:
+            planned = plan(model, inputs, budget, loss_fn=loss_fn, time_limit=time_limit)
+        except (InfeasibleBudget, ValueError) as error:
+            add(Measured("optremat", "eager", matches=matches, note=str(error).split(";")[0]))
+            continue
+        trained = apply(model, planned)
+        measure("optremat", eager, step_of(trained), time.perf_counter() - started,
+                predicted_peak_bytes=planned.predicted_peak_bytes, matches=matches)
+    return results
