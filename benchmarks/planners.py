@@ -12,101 +12,64 @@ fine graph); the budget is a fraction of the unplanned simulated peak.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import time
 from pathlib import Path
-
-import ortools
-import torch
 
 from optremat import Graph, InfeasibleBudget, extract, keep_all, resolve_budget, simulate, solve
 from optremat.coarsen import coarsen
 from optremat.heuristics import NotAChain
 from optremat.ilp.cpsat import solve_cpsat
 from optremat.ilp.milp import solve_milp
+from optremat.bench import PLANNERS, compare_planners
 from optremat.models import build
 from optremat.solve import HEURISTICS
+from benchmarks.report import machine, table
+from optremat.plots import plot_lines
 
 HERE = Path(__file__).parent
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
-MODEL_PLANNERS = tuple(HEURISTICS) + ("lp-rounding", "auto")
 
 
-def models_section(names: list[str], limit: float) -> str:
-    header = ["model", "ops / coarse", "budget"] + list(MODEL_PLANNERS) + ["auto: status, gap"]
+def models_section(names: list[str], limit: float, fractions: tuple[float, ...] = FRACTIONS,
+                   cells: dict[tuple[str, float], dict[str, str]] | None = None) -> str:
+    """The table of every planner at every budget; `cells`, when given, receives each
+    row's cells by (model, fraction) for the headline table."""
+    header = ["model", "ops / coarse", "budget"] + list(PLANNERS) + ["auto: status, gap"]
     rows = []
     for name in names:
         example = build(name)
-        coarsened = coarsen(extract(example.model, example.inputs, example.loss_fn))
-        fine, coarse = coarsened.fine, coarsened.coarse
-        unplanned = simulate(fine, keep_all(fine)).peak_bytes
-        curves: dict[str, list[tuple[float, float]]] = {planner: [] for planner in MODEL_PLANNERS}
-        for fraction in FRACTIONS:
-            budget = resolve_budget(fine, fraction)
-            row = [name, f"{fine.n} / {coarse.n}", f"{fraction:.0%}"]
-            detail = "-"
-            for planner in MODEL_PLANNERS:
-                if planner == "lp-rounding" and coarse.n > 150:
-                    row.append("skipped (LP of O(n²) variables)")
-                    continue
-                try:
-                    solution = solve(coarse, budget, solver=planner, time_limit=limit)
-                except NotAChain:
-                    row.append("n/a (not a chain)")
-                    continue
-                except InfeasibleBudget as error:
-                    row.append(f"infeasible (min {error.smallest / unplanned:.0%})")
-                    continue
-                except TimeoutError:
-                    row.append("no plan in time")
-                    continue
-                result = simulate(fine, coarsened.expand(solution.schedule))
-                assert result.peak_bytes <= budget, (name, planner, result.peak_bytes, budget)
-                row.append(f"{result.overhead:.1%} ({solution.seconds:.1f} s)")
-                curves[planner].append((fraction, result.overhead))
-                if planner == "auto":
-                    gap = "" if solution.gap is None else f", gap {solution.gap:.2%}"
-                    detail = f"{solution.solver} {solution.status}{gap}"
-            rows.append(row + [detail])
-            print(" | ".join(rows[-1]), flush=True)
+        graph = extract(example.model, example.inputs, example.loss_fn)
+        results = compare_planners(graph, fractions, time_limit=limit)
+        curves: dict[str, list[tuple[float, float]]] = {planner: [] for planner in PLANNERS}
+        for fraction in fractions:
+            here = {r.planner: r for r in results if r.fraction == fraction}
+            row = [name, f"{graph.n} / {coarsen(graph).coarse.n}", f"{fraction:.0%}"]
+            row += [here[p].cell() for p in PLANNERS] + [here["auto"].detail or "-"]
+            rows.append(row)
+            for r in here.values():
+                if r.overhead is not None:
+                    curves[r.planner].append((fraction, r.overhead))
+            if cells is not None:
+                cells[name, fraction] = dict(zip(header, row))
+            print(" | ".join(row), flush=True)
         _plot(name, curves)
     return table(header, rows)
 
 
 def _plot(name: str, curves: dict[str, list[tuple[float, float]]]) -> None:
     """overhead_<model>.png: overhead vs budget, one line per planner."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for planner, points in curves.items():
-        if points:
-            x, y = zip(*points)
-            axes.plot([100 * f for f in x], [100 * v for v in y], marker="o", label=planner)
-    axes.set_xlabel("budget (% of unplanned peak)")
-    axes.set_ylabel("extra compute (%)")
-    axes.set_title(f"{name}: overhead vs budget (simulated)")
-    axes.invert_xaxis()
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(HERE / f"overhead_{name}.png", dpi=110)
-    plt.close(figure)
+    lines = {planner: [(100 * f, 100 * v) for f, v in points] for planner, points in curves.items()}
+    plot_lines(HERE / f"overhead_{name}.png", lines, f"{name}: overhead vs budget (simulated)",
+               "budget (% of unplanned peak)", "extra compute (%)", invert_x=True)
 
 
 def published_section(folder: Path, limit: float) -> str:
-    header = ["graph", "nodes", "m", "best heuristic", "cpsat 10 s (bound)", f"cpsat {limit:g} s (bound)",
-              f"ilp {limit:g} s (bound)"]
+    columns = [("cpsat", 10.0)] if limit > 10 else []
+    columns += [("cpsat", limit), ("ilp", limit)]
+    header = ["graph", "nodes", "m", "best heuristic"] + [f"{solver} {seconds:g} s (bound)" for solver, seconds in columns]
     rows = []
     for path in sorted(folder.glob("*.json")):
         graph = Graph.load(path)
@@ -121,7 +84,7 @@ def published_section(folder: Path, limit: float) -> str:
                 except (InfeasibleBudget, NotAChain):
                     continue
             row.append("n/a (no backward)" if not graph.backward.any() else "none fits" if best is None else f"{best.cost / graph.total_cost - 1:.2%} ({best.solver})")
-            for solver, seconds in (("cpsat", 10.0), ("cpsat", limit), ("ilp", limit)):
+            for solver, seconds in columns:
                 if solver == "ilp" and graph.n > 80:
                     row.append("skipped (> 80 nodes)")
                     continue
@@ -167,11 +130,15 @@ def random_training_graph(layers: int, seed: int = 0) -> Graph:
                        output=[False] * (n - 1) + [True])
 
 
-def scaling_section(limit: float) -> str:
+def scaling_section(limit: float, layer_counts: tuple[int, ...] = (50, 125, 250, 500, 1000, 2500),
+                    times: dict[str, list[tuple[int, float]]] | None = None) -> str:
+    """Solvers on random residual training graphs of growing size; `times`, when given,
+    receives (nodes, seconds) per solver for the solve-time plot."""
     header = ["graph", "nodes", "cpsat: first plan", f"cpsat {limit:g} s", f"auto {limit:g} s (hinted)",
               "best heuristic", "slowest heuristic", f"ilp {limit:g} s"]
     rows = []
-    for layers in (50, 125, 250, 500, 1000, 2500):
+    times = {} if times is None else times
+    for layers in layer_counts:
         graph = random_training_graph(layers)
         budget = resolve_budget(graph, 0.5)
         row = [f"random training, {layers} layers", str(graph.n)]
@@ -179,6 +146,8 @@ def scaling_section(limit: float) -> str:
         try:
             s = solve_cpsat(graph, budget, time_limit=limit, progress=lambda t, c, b: firsts.append(t))
             row += [f"{firsts[0]:.1f} s" if firsts else "-", _overhead(graph, s)]
+            times.setdefault("cpsat: first plan", []).append((graph.n, firsts[0] if firsts else s.seconds))
+            times.setdefault("cpsat: best in limit", []).append((graph.n, s.seconds))
         except (InfeasibleBudget, TimeoutError) as error:
             row += ["none", type(error).__name__]
         try:
@@ -195,9 +164,12 @@ def scaling_section(limit: float) -> str:
                 pass
             slowest = max(slowest, time.perf_counter() - start)
         row += ["none" if best is None else f"{best.cost / graph.total_cost - 1:.2%} ({best.solver})", f"{slowest:.2f} s"]
+        times.setdefault("heuristics (slowest)", []).append((graph.n, slowest))
         if graph.n <= 250:
             try:
-                row.append(_overhead(graph, solve_milp(graph, budget, time_limit=limit)))
+                s = solve_milp(graph, budget, time_limit=limit)
+                row.append(_overhead(graph, s))
+                times.setdefault("ilp", []).append((graph.n, s.seconds))
             except (InfeasibleBudget, TimeoutError) as error:
                 row.append(type(error).__name__)
         else:
@@ -220,8 +192,6 @@ def main() -> None:
     parser.add_argument("--sections", default="models,published,scaling")
     args = parser.parse_args()
     sections = args.sections.split(",")
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"ortools {ortools.__version__}, Python {platform.python_version()}")
     written = {}
     if "models" in sections:
         written["models"] = ["## Built-in models (planned on the coarse graph, priced on every op)", "",
@@ -242,24 +212,9 @@ def main() -> None:
         written["scaling"] = ["## Solve time vs graph size (budget 50%)", "", scaling_section(args.limit), ""]
     for section, parts in written.items():
         path = HERE / f"planners_{section}.md"
-        path.write_text("\n".join(parts[:1] + ["", f"Machine: {machine}. Command: `python -m benchmarks.planners "
+        path.write_text("\n".join(parts[:1] + ["", f"Machine: {machine()}. Command: `python -m benchmarks.planners "
                                                   f"--limit {args.limit:g} --sections {section}`."] + parts[1:]))
         print(f"wrote {path}")
-    write_results()
-
-
-def write_results() -> None:
-    """RESULTS.md: every section file the suite has written, in a fixed order."""
-    parts = ["# optremat benchmark results", "",
-             "Each section below is regenerated by the command it names; numbers are simulate() of the "
-             "returned plans unless a section says measured.", ""]
-    for name in ("planners_models.md", "planners_published.md", "planners_scaling.md", "fidelity.md", "runtime.md",
-                 "runtime_resnet.md", "runtime_large.md", "max_batch.md"):
-        path = HERE / name
-        if path.exists():
-            text = path.read_text().strip().splitlines()
-            parts += ["#" + text[0]] + text[1:] + [""]
-    (HERE / "RESULTS.md").write_text("\n".join(parts))
 
 
 if __name__ == "__main__":

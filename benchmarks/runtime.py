@@ -25,7 +25,6 @@ import optremat
 from optremat.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
-from benchmarks.planners import write_results
 
 OUT = Path(__file__).with_name("runtime.md")
 DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
@@ -102,7 +101,6 @@ def main() -> None:
                 lines.append("| " + " | ".join(cells) + " |")
                 out.write_text(intro + "\n".join(lines) + "\n")
     print(f"wrote {out}")
-    write_results()
 
 
 if __name__ == "__main__":

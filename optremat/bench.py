@@ -1,5 +1,5 @@
-"""Measured head-to-head on one model: optremat's plans against what a user would
-otherwise run.
+"""Head-to-head on one model: every planner at every budget (simulated), and optremat's
+plans against what a user would otherwise run (measured).
 
 Peers: no rematerialization; `torch.utils.checkpoint` around every repeated block (what
 most people write by hand); PyTorch's own planner, `activation_memory_budget` under
@@ -22,10 +22,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from optremat.budget import InfeasibleBudget
+from optremat.budget import InfeasibleBudget, resolve_budget
+from optremat.coarsen import Coarsened, coarsen
+from optremat.graph import Graph
+from optremat.heuristics import NotAChain
 from optremat.plan import plan
 from optremat.runtime.checkpoint import apply
 from optremat.runtime.measure import measure_peak
+from optremat.schedule import keep_all, simulate
+from optremat.solve import solve
 
 Step = Callable[[], Any]
 Report = Callable[["Measured"], None]
@@ -36,9 +41,10 @@ class Measured:
     """One method run on the model: its measured peak and step-time overhead.
 
     `overhead` is against `baseline` (the unplanned step in the same mode);
-    `setup_seconds` is planning or compilation time; `predicted_peak_bytes` is the
-    plan's own prediction where the method makes one. `note` explains a method that
-    did not run (then the figures are zero).
+    `setup_seconds` is planning or compilation time; `predicted_peak_bytes` and
+    `predicted_overhead` are the plan's own predictions where the method makes them;
+    `matches` names the peer whose measured peak was the plan's budget. `note` explains
+    a method that did not run (then the figures are zero).
     """
 
     method: str
@@ -48,6 +54,7 @@ class Measured:
     step_seconds: float = 0.0
     setup_seconds: float = 0.0
     predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = None
     matches: str | None = None
     note: str = ""
 
@@ -188,5 +195,62 @@ def compare(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], to
             continue
         trained = apply(model, planned)
         measure("optremat", eager, step_of(trained), time.perf_counter() - started,
-                predicted_peak_bytes=planned.predicted_peak_bytes, matches=matches)
+                predicted_peak_bytes=planned.predicted_peak_bytes, predicted_overhead=planned.predicted_overhead,
+                matches=matches)
     return results
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """One planner at one budget (a fraction of the unplanned peak), priced by simulate()
+    on every op: `overhead` and `seconds` when it found a plan; otherwise `note` says why
+    (with the smallest peak it reached, as a fraction, when the budget was infeasible)."""
+
+    planner: str
+    fraction: float
+    overhead: float | None = None
+    seconds: float = 0.0
+    detail: str = ""
+    note: str = ""
+
+    def cell(self) -> str:
+        return self.note or f"{self.overhead:.1%} ({self.seconds:.1f} s)"
+
+
+PLANNERS = ("chen", "greedy", "benefit", "mirror", "dtr", "dp", "lp-rounding", "auto")
+LP_NODES = 150
+"""Largest coarse graph the LP relaxation is tried on (it has O(n²) variables)."""
+
+
+def compare_planners(graph: Graph, fractions: Sequence[float], planners: Sequence[str] = PLANNERS, *,
+                     time_limit: float = 30.0, report: Callable[[Simulated], None] | None = None) -> list[Simulated]:
+    """Every planner at every budget on the coarsened `graph`, each plan priced on every op."""
+    coarsened = coarsen(graph)
+    unplanned = simulate(graph, keep_all(graph)).peak_bytes
+    results = []
+    for fraction in fractions:
+        budget = resolve_budget(graph, fraction)
+        for planner in planners:
+            results.append(_simulated(coarsened, planner, fraction, budget, unplanned, time_limit))
+            if report is not None:
+                report(results[-1])
+    return results
+
+
+def _simulated(coarsened: Coarsened, planner: str, fraction: float, budget: int, unplanned: int,
+               time_limit: float) -> Simulated:
+    if planner == "lp-rounding" and coarsened.coarse.n > LP_NODES:
+        return Simulated(planner, fraction, note="skipped (LP of O(n²) variables)")
+    try:
+        solution = solve(coarsened.coarse, budget, solver=planner, time_limit=time_limit)
+    except NotAChain:
+        return Simulated(planner, fraction, note="n/a (not a chain)")
+    except InfeasibleBudget as error:
+        return Simulated(planner, fraction, note=f"infeasible (min {error.smallest / unplanned:.0%})")
+    except TimeoutError:
+        return Simulated(planner, fraction, note="no plan in time")
+    result = simulate(coarsened.fine, coarsened.expand(solution.schedule))
+    if result.peak_bytes > budget:
+        raise AssertionError(f"{planner} returned a plan over budget: {result.peak_bytes} > {budget}")
+    gap = "" if solution.gap is None else f", gap {solution.gap:.2%}"
+    return Simulated(planner, fraction, result.overhead, solution.seconds, f"{solution.solver} {solution.status}{gap}")

@@ -181,6 +181,74 @@ def _max_batch_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from optremat.bench import PLANNERS, compare, compare_planners
+    from optremat.extract import extract
+    from optremat.models import build
+
+    fractions = [float(f) for f in args.budgets.split(",")]
+    torch_budgets = [float(b) for b in args.torch_budgets.split(",")] if args.torch_budgets else []
+    if any(not 0 < f <= 1 for f in fractions) or any(not 0 <= b <= 1 for b in torch_budgets):
+        raise ValueError("--budgets are fractions in (0, 1] and --torch-budgets in [0, 1]")
+    example = build(args.model)
+    graph = extract(example.model, example.inputs, example.loss_fn)
+    unplanned = simulate(graph, keep_all(graph)).peak_bytes
+
+    def say(text: str) -> None:
+        if not args.json:
+            print(text, file=sys.stderr, flush=True)
+
+    simulated = compare_planners(graph, fractions, time_limit=args.time_limit,
+                                 report=lambda r: say(f"  {r.fraction:.0%} {r.planner}: {r.cell()}"))
+    measured = [] if args.no_measure else compare(
+        example.model, example.inputs, example.loss_fn, torch_budgets=torch_budgets, fractions=fractions,
+        runs=args.runs, time_limit=args.time_limit,
+        report=lambda r: say(f"  {r.method}{f' @ {r.matches}' if r.matches else ''}: "
+                             + (r.note or f"peak {format_bytes(r.peak_bytes)}, overhead {r.overhead:+.1%}")))
+    if args.plot:
+        from optremat.plots import plot_lines
+
+        lines = {p: [(100 * r.fraction, 100 * r.overhead) for r in simulated if r.planner == p and r.overhead is not None]
+                 for p in PLANNERS}
+        marks: dict[str, list[tuple[float, float]]] = {}
+        for r in measured:
+            if r.ran:
+                label = "optremat (measured)" if r.matches else f"{r.method} (measured)"
+                marks.setdefault(label, []).append((100 * r.peak_bytes / measured[0].peak_bytes, 100 * r.overhead))
+        plot_lines(Path(args.plot), lines, f"{args.model}: overhead vs memory", "peak (% of unplanned)",
+                   "extra compute (%)", invert_x=True, marks=marks)
+    if args.json:
+        print(json.dumps({"model": args.model, "unplanned_peak_bytes": unplanned,
+                          "simulated": [asdict(r) for r in simulated], "measured": [asdict(r) for r in measured]}))
+        return 0
+    print(f"{args.model}: unplanned peak {format_bytes(unplanned)} (simulated); overhead per planner and budget "
+          "(simulated on every op, planner seconds in brackets)")
+    rows = [[f"{f:.0%}"] + [next(r.cell() for r in simulated if r.fraction == f and r.planner == p) for p in PLANNERS]
+            for f in fractions]
+    print(_columns(["budget", *PLANNERS], rows))
+    if measured:
+        print(f"\nmeasured ({args.runs} interleaved step pairs per method; overhead against the same mode's "
+              "unplanned step)")
+        print(_columns(["method", "vs", "peak", "of unplanned", "overhead", "predicted", "setup s"], [
+            [r.method + (f" @ {r.matches}" if r.matches else ""), r.baseline]
+            + ([r.note, "", "", "", ""] if not r.ran else [
+                format_bytes(r.peak_bytes), f"{r.peak_bytes / measured[0].peak_bytes:.0%}", f"{r.overhead:+.1%}",
+                "" if r.predicted_overhead is None else f"{r.predicted_overhead:+.1%}", f"{r.setup_seconds:.1f}"])
+            for r in measured]))
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _columns(header: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table with aligned columns."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in [header, *rows])
+
+
 def _show_command(args: argparse.Namespace) -> int:
     from optremat.plan import Plan
 
@@ -281,6 +349,18 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--progress", action="store_true", help="print each batch size tried to stderr")
     batch.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     batch.set_defaults(run=_max_batch_command)
+    bench = commands.add_parser("bench", help="every planner at several budgets (simulated), and optremat against "
+                                "per-block checkpointing and PyTorch's activation_memory_budget (measured)")
+    bench.add_argument("--model", required=True, choices=sorted(BUILDERS))
+    bench.add_argument("--budgets", default="0.7,0.5", help="fractions of the unplanned peak, comma-separated")
+    bench.add_argument("--torch-budgets", default="0.5,0.1",
+                       help="activation_memory_budget values for torch.compile, comma-separated ('' for none)")
+    bench.add_argument("--runs", type=int, default=5, help="interleaved timing pairs per measured method")
+    bench.add_argument("--time-limit", type=float, default=10.0, help="seconds per exact solve")
+    bench.add_argument("--no-measure", action="store_true", help="simulated planner table only (no training steps)")
+    bench.add_argument("--plot", help="write overhead vs memory (planners and measured methods) to this image")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    bench.set_defaults(run=_bench_command)
     cache = commands.add_parser("cache", help="list or clear the offline plan cache")
     cache.add_argument("action", choices=("list", "clear"))
     cache.add_argument("--dir", default=str(DEFAULT_CACHE), help=f"cache directory (default {DEFAULT_CACHE})")

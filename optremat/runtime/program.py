@@ -15,6 +15,7 @@ statistics) are swapped for scratch copies so the recomputation does not update 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import operator
 from dataclasses import dataclass
@@ -132,6 +133,8 @@ class Program:
                         rng_states[node] = rng_state(device)
                 replay.current = node
                 local[node] = call(node, _lookup(state, local))
+                if not recompute:
+                    replay.keep(node, local[node])
                 for p in node.all_input_nodes:
                     if p in local and local_last[p] <= i and p not in kept_local:
                         del local[p]
@@ -146,10 +149,11 @@ class Program:
 
 
 class _Replay:
-    """Dispatch modes for a checkpointed segment (in the manner of selective checkpointing,
-    but keyed by the op being replayed): the forward stores the outputs of saved ops; the
-    recomputation returns them, reruns the recomputed ops, and skips every other op with
-    a zero-stride placeholder, since the plan found nothing in the backward needs it."""
+    """What a checkpointed segment saves and how it is recomputed (in the manner of
+    selective checkpointing, but keyed by the op being replayed): the forward stores the
+    outputs of saved ops; the recomputation, under a dispatch mode, returns them, reruns
+    the recomputed ops, and skips every other op with a zero-stride placeholder, since the
+    plan found nothing in the backward needs it."""
 
     def __init__(self, saved: dict[torch.fx.Node, Any], recomputed: set[torch.fx.Node]) -> None:
         self.saved = {node: which for node, which in saved.items() if which}
@@ -158,8 +162,16 @@ class _Replay:
         self.forward_done = False
         self.store: dict[torch.fx.Node, Any] = {}
 
-    def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
-        return _Store(self), _Restore(self)
+    def contexts(self) -> tuple[contextlib.nullcontext, TorchDispatchMode]:
+        return contextlib.nullcontext(), _Restore(self)
+
+    def keep(self, node: torch.fx.Node, out: Any) -> None:
+        """Store the forward's output of `node` (what it saves) for the recomputation."""
+        which = self.saved.get(node)
+        if which is True:
+            self.store[node] = tree_map(_detach, out)
+        elif which:
+            self.store[node] = tuple(_detach(v) if k in which else None for k, v in enumerate(out))
 
     def claims(self, func: Any) -> torch.fx.Node | None:
         """The node being replayed if `func` is its op (not an op autograd runs on the side)."""
@@ -168,22 +180,6 @@ class _Replay:
             return None
         self.current = None
         return node
-
-
-class _Store(TorchDispatchMode):
-    def __init__(self, replay: _Replay) -> None:
-        super().__init__()
-        self.replay = replay
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        node = self.replay.claims(func)
-        which = self.replay.saved.get(node)
-        if which is True:
-            self.replay.store[node] = tree_map(_detach, out)
-        elif which:
-            self.replay.store[node] = tuple(_detach(v) if k in which else None for k, v in enumerate(out))
-        return out
 
 
 class _Restore(TorchDispatchMode):
