@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.coarsen import Coarsened, coarsen
-from optremat.graph import Graph
+from optremat.graph import Graph, format_bytes
 from optremat.heuristics import NotAChain
 from optremat.plan import plan
 from optremat.runtime.checkpoint import apply
@@ -190,7 +190,12 @@ def compare(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], to
         started = time.perf_counter()
         try:
             planned = plan(model, inputs, budget, loss_fn=loss_fn, time_limit=time_limit)
-        except (InfeasibleBudget, ValueError) as error:
+        except InfeasibleBudget as error:
+            add(Measured("optremat", "eager", matches=matches,
+                         note=f"infeasible: smallest {format_bytes(error.smallest)} "
+                              f"({error.smallest / unplanned_peak:.0%} of the measured unplanned peak)"))
+            continue
+        except ValueError as error:
             add(Measured("optremat", "eager", matches=matches, note=str(error).split(";")[0]))
             continue
         trained = apply(model, planned)

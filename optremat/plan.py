@@ -30,6 +30,7 @@ from optremat.coarsen import coarsen
 from optremat.extract import Traced, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
+from optremat.ilp.layout import ALIGNMENT, layout
 from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower, module_keep_sets
 from optremat.runtime.program import Program, Segment
 from optremat.schedule import Schedule, keep_all, simulate
@@ -110,8 +111,9 @@ class Plan:
         bound = "" if self.lower_bound is None else f", proven overhead >= {self.lower_bound:.2%}"
         lost = self.predicted_overhead - self.solver_overhead
         lowering = f" ({lost:+.2%} from lowering to checkpoint segments)" if abs(lost) > 5e-5 else ""
-        layout = (f"{sum(s.checkpointed for s in self.segments)} of {len(self.segments)} segments checkpointed"
-                  if self.runtime == "checkpoint" else "exact runtime (op by op)")
+        segments = (f"{sum(s.checkpointed for s in self.segments)} of {len(self.segments)} segments checkpointed"
+                    if self.runtime == "checkpoint" else "exact runtime (op by op)")
+        arena = layout(self.graph, self.schedule, "greedy")
         return "\n".join([
             f"budget {format_bytes(self.budget_bytes)}: predicted peak {format_bytes(self.predicted_peak_bytes)} "
             f"(unplanned {format_bytes(self.baseline_peak_bytes)}, "
@@ -120,7 +122,9 @@ class Plan:
             f"solver {self.solver}: {self.status}{bound}, {self.solve_seconds:.2f} s"
             + (" (loaded from the plan cache)" if self.cached else ""),
             f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
-            f"{counts['free']} freed early; {layout}",
+            f"{counts['free']} freed early; {segments}",
+            f"memory layout: an arena of {format_bytes(arena.arena_bytes)} (greedy by size, {arena.fragmentation:+.1%} "
+            f"over the {format_bytes(arena.live_bytes)} live at most, allocations aligned to {ALIGNMENT} bytes)",
         ])
 
     def explain(self, top: int = 15) -> str:

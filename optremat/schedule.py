@@ -165,7 +165,10 @@ class SimResult:
     """What a schedule costs: peak bytes, total cost, and memory over the step.
 
     `curve` holds the live bytes at each computation (the instant its output is allocated)
-    in execution order; `stage_peak` the highest such value per stage.
+    in execution order; `stage_peak` the highest such value per stage. With
+    `simulate(..., allocations=True)`, `allocations` lists every allocation as rows
+    (bytes, first, end) over `curve`'s indices: live at index c when first <= c < end
+    (a storage from the computation that creates it, an op's workspace for its own index).
     """
 
     peak_bytes: int
@@ -174,6 +177,7 @@ class SimResult:
     curve: np.ndarray
     stage_peak: np.ndarray
     recomputations: int
+    allocations: np.ndarray | None = None
 
     @property
     def overhead(self) -> float:
@@ -181,8 +185,9 @@ class SimResult:
         return self.cost / self.baseline_cost - 1.0 if self.baseline_cost > 0 else 0.0
 
 
-def simulate(graph: Graph, schedule: Schedule) -> SimResult:
-    """Validate `schedule` on `graph` and price it; raises InvalidSchedule if it cannot run."""
+def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False) -> SimResult:
+    """Validate `schedule` on `graph` and price it; raises InvalidSchedule if it cannot run.
+    `allocations=True` also records every allocation's bytes and lifetime (for layouts)."""
     n = graph.n
     if schedule.num_stages != n:
         raise InvalidSchedule(f"schedule has {schedule.num_stages} stages for a graph of {n} nodes", 0, 0)
@@ -198,7 +203,9 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
     storage: list[dict[int, int]] = [{} for _ in range(n)]
     holders: list[int] = []
     live_until = np.full(n, -1, dtype=np.int64)
-    state = {"bytes": 0}
+    state = {"bytes": 0, "at": 0}
+    opened: dict[int, tuple[int, int]] = {}
+    closed: list[tuple[int, int, int]] = []
 
     def hold(i: int) -> None:
         if is_part[i]:
@@ -214,12 +221,16 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
             holders[instance] += 1
             if holders[instance] == 1:
                 state["bytes"] += unit_size[unit]
+                if allocations:
+                    opened[instance] = (unit_size[unit], state["at"])
 
     def release(i: int) -> None:
         for unit, instance in storage[i].items():
             holders[instance] -= 1
             if holders[instance] == 0:
                 state["bytes"] -= unit_size[unit]
+                if allocations:
+                    closed.append((*opened.pop(instance), state["at"]))
 
     curve = np.zeros(len(schedule.node), dtype=np.int64)
     stage_peak = np.zeros(n, dtype=np.int64)
@@ -233,6 +244,7 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
         for pos, k in enumerate(nodes):
             for p in preds[k].tolist():
                 last_use[p] = pos
+        state["at"] = lo
         for i in expiring[s]:
             if live_until[i] == s and not resident[i] and i not in last_use:
                 release(i)
@@ -245,11 +257,15 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
                     raise InvalidSchedule(f"input node {p} is not live", s, k)
             if live_until[k] >= s:
                 raise InvalidSchedule("node is computed while a copy of it is still live", s, k)
+            state["at"] = lo + pos
             hold(k)
             live_until[k] = u
             if u > s:
                 expiring[u].append(k)
             curve[lo + pos] = state["bytes"] + workspace[k]
+            state["at"] = lo + pos + 1
+            if allocations and workspace[k]:
+                closed.append((workspace[k], lo + pos, lo + pos + 1))
             for p in preds[k].tolist():
                 if live_until[p] == s and not resident[p] and last_use[p] == pos:
                     release(p)
@@ -259,6 +275,11 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
                 live_until[k] = -1
         stage_peak[s] = curve[lo:hi].max()
     cost = float(graph.cost[schedule.node].sum())
+    table = None
+    if allocations:
+        closed += [(size, first, len(curve)) for size, first in opened.values()]
+        table = np.array(closed, dtype=np.int64).reshape(-1, 3)
+        table.setflags(write=False)
     curve.setflags(write=False)
     stage_peak.setflags(write=False)
     return SimResult(
@@ -268,6 +289,7 @@ def simulate(graph: Graph, schedule: Schedule) -> SimResult:
         curve=curve,
         stage_peak=stage_peak,
         recomputations=schedule.recomputations,
+        allocations=table,
     )
 
 

@@ -1,0 +1,63 @@
+"""Arena size vs the live-bytes bound: how much a real address layout loses to fragmentation.
+
+    python -m benchmarks.layout [--models gpt-small,resnet,unet,vgg] [--fraction 0.7] [--limit 10]
+
+For each model, the unplanned schedule and the `auto` plan at `fraction` of the unplanned
+peak (planned on the coarse graph, run on every op): the most bytes live at once, and
+the arena the greedy-by-size and CP-SAT layouts need. Writes benchmarks/layout.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from optremat import InfeasibleBudget, extract, keep_all, resolve_budget, solve
+from optremat.coarsen import coarsen
+from optremat.graph import format_bytes
+from optremat.ilp.layout import allocations, cpsat_layout, greedy_layout
+from optremat.models import build
+from benchmarks.report import machine, table
+
+HERE = Path(__file__).parent
+
+
+def section(names: list[str], fraction: float, limit: float) -> str:
+    header = ["model", "schedule", "allocations", "live bytes (bound)", "greedy arena", "cpsat arena", "cpsat status, s"]
+    rows = []
+    for name in names:
+        example = build(name)
+        coarsened = coarsen(extract(example.model, example.inputs, example.loss_fn))
+        graph = coarsened.fine
+        schedules = [("unplanned", keep_all(graph))]
+        try:
+            solution = solve(coarsened.coarse, resolve_budget(graph, fraction), "auto", time_limit=limit)
+            schedules.append((f"auto at {fraction:.0%}", coarsened.expand(solution.schedule)))
+        except (InfeasibleBudget, TimeoutError) as error:
+            rows.append([name, f"auto at {fraction:.0%}", str(error).split(";")[0]] + ["-"] * 4)
+        for label, schedule in schedules:
+            found = allocations(graph, schedule)
+            greedy = greedy_layout(found)
+            exact = cpsat_layout(found, time_limit=limit, hint=greedy)
+            rows.append([name, label, str(len(found)), format_bytes(greedy.live_bytes),
+                         f"{format_bytes(greedy.arena_bytes)} ({greedy.fragmentation:+.2%})",
+                         f"{format_bytes(exact.arena_bytes)} ({exact.fragmentation:+.2%})",
+                         f"{exact.status}, {exact.seconds:.1f}"])
+            print("  ".join(rows[-1]), flush=True)
+    return table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="gpt-small,resnet,unet,vgg")
+    parser.add_argument("--fraction", type=float, default=0.7)
+    parser.add_argument("--limit", type=float, default=10.0)
+    args = parser.parse_args()
+    text = section(args.models.split(","), args.fraction, args.limit)
+    out = HERE / "layout.md"
+    out.write_text(f"# Memory layout\n\nMachine: {machine()}.\n\n{text}\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
