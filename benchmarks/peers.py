@@ -109,7 +109,10 @@ def main() -> None:
     every, equal = models_section(args.models.split(","), tuple(float(b) for b in args.torch_budgets.split(",")),
                                   tuple(float(f) for f in args.fractions.split(",")), args.runs, args.limit)
     out = HERE / "peers.md"
-    out.write_text(f"# Measured against peers\n\nMachine: {machine()}.\n\n{rockmate_status()}\n\n{equal}\n\n{every}\n")
+    command = (f"python -m benchmarks.peers --models {args.models} --torch-budgets {args.torch_budgets} "
+               f"--fractions {args.fractions} --runs {args.runs} --limit {args.limit:g}")
+    out.write_text(f"# Measured against peers\n\nMachine: {machine()}. Command: `{command}`.\n\n{rockmate_status()}"
+                   f"\n\n{equal}\n\n{every}\n")
     print(f"wrote {out}")
 
 
