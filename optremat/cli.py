@@ -112,7 +112,7 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     example = build(args.model)
     result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,
                   loss_fn=example.loss_fn if args.runtime == "checkpoint" else None, device=args.device,
-                  workers=args.workers, seed=args.seed, runtime=args.runtime,
+                  workers=args.workers, seed=args.seed, runtime=args.runtime, order=args.order,
                   progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None,
                   cache=args.cache)
     if args.save:
@@ -333,6 +333,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--cache", help="plan cache directory (a model's plan is loaded from it when present)")
     plan.add_argument("--runtime", choices=("checkpoint", "exact"), default="checkpoint",
                       help="what runs a model's plan: checkpoint segments, or every op as scheduled")
+    plan.add_argument("--order", choices=("traced", "best"), default="traced",
+                      help="with --runtime exact, 'best' may run independent ops in an order with a lower peak")
     plan.set_defaults(run=_plan_command)
     show = commands.add_parser("show", help="summarise a saved plan and explain its largest decisions")
     show.add_argument("plan", help="a plan written by `optremat plan --model ... --save`")

@@ -7,11 +7,13 @@ accumulated as soon as its inputs exist, a branch finished before the next start
 bytes net of what it lets free (the list-scheduling counterpart of memonger's
 longest-path ordering), and never moves an in-place op before an op that reads the
 storage it overwrites; `best_order` keeps it only where `simulate()` confirms a lower
-unplanned peak. Planners then run on the reordered graph like any other; the runtimes
-still execute the traced order, so this is a graph-level pre-pass for now.
+unplanned peak. Planners then run on the reordered graph like any other, and the exact
+runtime executes it (`plan(..., runtime="exact", order="best")`).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -36,8 +38,16 @@ def reorder(graph: Graph, order: np.ndarray) -> Graph:
                        **columns)
 
 
-def min_memory_order(graph: Graph) -> np.ndarray:
-    """A topological order that greedily keeps live bytes low (ties keep the traced order)."""
+RANDOM = re.compile(r"(bernoulli|native_dropout|rand|randn|randint|rand_like|randn_like|normal|uniform|"
+                    r"multinomial|randperm|random|exponential|geometric|cauchy|log_normal)_?\.")
+
+
+def min_memory_order(graph: Graph, late: np.ndarray | None = None) -> np.ndarray:
+    """A topological order that greedily keeps live bytes low (ties keep the traced order).
+
+    Nodes marked in `late` run only after every other op (the exact runtime's backward
+    cannot start before the model's output exists), and random ops keep their traced
+    order, so each draws the numbers it drew when traced."""
     n = graph.n
     root = np.arange(n)
     for v in range(n):
@@ -59,22 +69,37 @@ def min_memory_order(graph: Graph) -> np.ndarray:
             for u in readers[root[v]]:
                 if u < v:
                     after[u].add(v)
+    random = [v for v in range(n) if RANDOM.match(graph.ops[v])]
+    for a, b in zip(random, random[1:]):
+        after[a].add(b)
+    late = np.zeros(n, dtype=bool) if late is None else np.asarray(late, dtype=bool)
     missing = np.zeros(n, dtype=np.int64)
     for v in range(n):
         for s in after[v]:
             missing[s] += 1
-    ready = set(np.nonzero(missing == 0)[0].tolist())
+    early = int((~late & ~graph.pinned).sum())
+    sources = np.nonzero(missing == 0)[0].tolist()
+    waiting = [v for v in sources if late[v] and early]
+    ready = set(sources) - set(waiting)
     order: list[int] = []
 
     def run(v: int) -> None:
+        nonlocal early
         ready.remove(v)
         order.append(v)
+        if not late[v] and not graph.pinned[v]:
+            early -= 1
+            if early == 0:
+                ready.update(waiting)
         for g in {int(root[p]) for p in graph.preds[v].tolist()}:
             remaining[g] -= 1
         for s in after[v]:
             missing[s] -= 1
             if missing[s] == 0:
-                ready.add(s)
+                if late[s] and early:
+                    waiting.append(s)
+                else:
+                    ready.add(s)
 
     for v in np.nonzero(graph.pinned)[0].tolist():
         run(v)
@@ -88,10 +113,10 @@ def min_memory_order(graph: Graph) -> np.ndarray:
     return np.array(order, dtype=np.int64)
 
 
-def best_order(graph: Graph) -> tuple[Graph, np.ndarray]:
+def best_order(graph: Graph, late: np.ndarray | None = None) -> tuple[Graph, np.ndarray]:
     """The graph in whichever order, traced or `min_memory_order`, has the lower
     unplanned peak, with the order used (node k of the result is node order[k])."""
-    order = min_memory_order(graph)
+    order = min_memory_order(graph, late)
     candidate = reorder(graph, order)
     if simulate(candidate, keep_all(candidate)).peak_bytes < simulate(graph, keep_all(graph)).peak_bytes:
         return candidate, order

@@ -31,6 +31,8 @@ from optremat.extract import Traced, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
 from optremat.ilp.layout import ALIGNMENT, layout
+from optremat.order import best_order
+from optremat.runtime.exact import after_output_gradient
 from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower, module_keep_sets
 from optremat.runtime.program import Program, Segment
 from optremat.schedule import Schedule, keep_all, simulate
@@ -199,7 +201,8 @@ class Plan:
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
-         progress: Progress | None = None, cache: str | Path | None = None, runtime: str = "checkpoint") -> Plan:
+         progress: Progress | None = None, cache: str | Path | None = None, runtime: str = "checkpoint",
+         order: str = "traced") -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
@@ -212,12 +215,18 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     `runtime` picks what executes the plan, and so what is planned: "checkpoint" (segments
     of the forward under torch.utils.checkpoint; the loss may be folded in with `loss_fn`)
     or "exact" (the whole step op by op, so the solver's schedule runs as it is; the loss
-    must stay outside the model).
+    must stay outside the model). With the exact runtime, `order="best"` also lets the
+    step run its independent ops in another order where that lowers the unplanned peak
+    (`optremat.order.best_order`).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    if order not in ("traced", "best"):
+        raise ValueError(f"unknown order {order!r}; choose traced or best")
+    if order == "best" and runtime != "exact":
+        raise ValueError("only the exact runtime runs ops in another order than traced: use runtime='exact'")
     if runtime == "exact" and loss_fn is not None:
         raise ValueError("the exact runtime runs the backward from the output's gradient: "
                          "plan without loss_fn (compute the loss outside the model)")
@@ -238,7 +247,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     def solved() -> Plan:
         if forward is None:
-            return _solve_exact(model, traced, inputs, budget_bytes, **options)
+            return _solve_exact(model, traced, inputs, budget_bytes, order=order, **options)
         return _solve_checkpoint(model, graph, forward, budget_bytes, **options)
 
     if cache is None:
@@ -248,7 +257,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     store = PlanCache(cache)
     key = store.key(graph=graph.fingerprint, program=fingerprint, budget=budget_bytes, solver=solver,
                     seed=seed, cost_model=cost_model, device=str(device_name), training=model.training,
-                    runtime=runtime, version=_version())
+                    runtime=runtime, order=order, version=_version())
     with store.locked(key):
         hit = store.get(key, time_limit)
         if hit is not None:
@@ -264,15 +273,18 @@ def _relative(progress: Progress, total: float) -> Progress:
     return lambda elapsed, cost, bound: progress(elapsed, cost / total - 1, bound / total - 1)
 
 
-def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: int, *, solver: str,
+def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: int, *, solver: str, order: str,
                  time_limit: float, workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
     """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
     plan peaks over the budget on every op, solve again with the budget reduced by the excess.
     Once the solver finds no plan, the best heuristic plan at the smallest budget it names
     is the last try."""
     graph = traced.graph
-    coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
+    if order == "best":
+        leaves = len(dict(model.named_parameters())) + len(dict(model.named_buffers())) + len(tree_leaves(inputs))
+        graph = best_order(graph, after_output_gradient(graph, traced, leaves))[0]
+    coarse = coarsen(graph)
     target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):
         remaining = max(deadline - time.perf_counter(), 1.0)

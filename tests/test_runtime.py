@@ -262,11 +262,13 @@ def test_planned_step_is_bitwise_equal_in_float64() -> None:
                      train_step(model, model, inputs, loss_fn, state), tolerance=0)
 
 
-@pytest.mark.parametrize("name,budget", [("convnet", 0.6), ("gpt-dropout", 0.7), ("resnet-tiny", 0.6)])
-def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float) -> None:
+@pytest.mark.parametrize("name,budget,order", [("convnet", 0.6, "traced"), ("gpt-dropout", 0.7, "traced"),
+                                               ("resnet-tiny", 0.6, "traced"), ("gpt-dropout", 0.7, "best"),
+                                               ("resnet-tiny", 0.6, "best")])
+def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float, order: str) -> None:
     model, inputs, loss_fn = MODELS[name]()
     state = copy.deepcopy(model.state_dict())
-    plan = optremat.plan(model, inputs, budget, time_limit=10, runtime="exact")
+    plan = optremat.plan(model, inputs, budget, time_limit=10, runtime="exact", order=order)
     assert plan.runtime == "exact" and plan.predicted_peak_bytes <= plan.budget_bytes
     assert plan.schedule.recomputations > 0
     assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state),
@@ -295,6 +297,30 @@ def test_exact_runtime_runs_a_schedule_that_recomputes_twice_at_the_simulated_pe
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     measured = measure_peak(step, resident=[list(params.values()), inputs]).peak_bytes
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
+
+
+def test_reordered_exact_plan_runs_at_its_predicted_peak() -> None:
+    model, inputs, loss_fn = MODELS["resnet-tiny"]()
+    model, inputs = model.float(), tuple(x.float() for x in inputs)
+    traced_order = optremat.plan(model, inputs, 1.0, runtime="exact")
+    best = optremat.plan(model, inputs, 1.0, runtime="exact", order="best")
+    assert best.graph.names != traced_order.graph.names
+    assert best.predicted_peak_bytes < traced_order.predicted_peak_bytes
+    params = [p for p in model.parameters()]
+    trained = optremat.apply(model, best)
+
+    def step() -> tuple:
+        return torch.autograd.grad(loss_fn(trained(*inputs)), params)
+
+    step()
+    measured = measure_peak(step, resident=[params, list(model.buffers()), inputs]).peak_bytes
+    assert abs(measured - best.predicted_peak_bytes) <= 0.05 * best.predicted_peak_bytes
+
+
+def test_reordering_needs_the_exact_runtime() -> None:
+    model, inputs, loss_fn = MODELS["convnet"]()
+    with pytest.raises(ValueError, match="exact runtime"):
+        optremat.plan(model, inputs, 0.9, loss_fn=loss_fn, order="best")
 
 
 def test_exact_runtime_refuses_a_folded_loss() -> None:

@@ -129,14 +129,25 @@ class _Step(torch.autograd.Function):
         return (None, None, *param_grads, *[None] * (ctx.num_leaves - len(param_grads)))
 
 
-def _first_reading(graph: Graph, tangents: list[int]) -> int:
-    """The first node (in the graph's order) that depends on the output's gradient."""
+def after_output_gradient(graph: Graph, traced: Traced, num_leaves: int) -> np.ndarray:
+    """The op nodes that depend on the model output's gradient: the exact runtime can run
+    them only in its backward, after every other op."""
+    names = {n.name for n in [n for n in traced.module.graph.nodes if n.op == "placeholder"][num_leaves:]}
+    return _depending(graph, [i for i, name in enumerate(graph.names) if name in names])
+
+
+def _depending(graph: Graph, tangents: list[int]) -> np.ndarray:
     depends = np.zeros(graph.n, dtype=bool)
     depends[tangents] = True
     for v in range(graph.n):
         if not depends[v] and depends[graph.preds[v]].any():
             depends[v] = True
-    depends &= ~graph.pinned
+    return depends & ~graph.pinned
+
+
+def _first_reading(graph: Graph, tangents: list[int]) -> int:
+    """The first node (in the graph's order) that depends on the output's gradient."""
+    depends = _depending(graph, tangents)
     return int(np.argmax(depends)) if depends.any() else graph.n
 
 
