@@ -1,5 +1,6 @@
 """Arena size vs the live-bytes bound (how much a real address layout loses to
-fragmentation), and what choosing the execution order saves.
+fragmentation), what sharing storage with dying inputs saves, and what choosing the
+execution order saves.
 
     python -m benchmarks.layout [--models gpt-small,resnet,unet,vgg] [--fraction 0.7] [--limit 10]
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from optremat import InfeasibleBudget, extract, keep_all, resolve_budget, simulate, solve
+from optremat import Graph, InfeasibleBudget, Schedule, extract, keep_all, resolve_budget, simulate, solve
 from optremat.coarsen import coarsen
 from optremat.graph import format_bytes
 from optremat.ilp.layout import allocations, cpsat_layout, greedy_layout
@@ -25,7 +26,8 @@ HERE = Path(__file__).parent
 
 
 def section(names: list[str], fraction: float, limit: float) -> str:
-    header = ["model", "schedule", "allocations", "live bytes (bound)", "greedy arena", "cpsat arena", "cpsat status, s"]
+    header = ["model", "schedule", "allocations", "live bytes (bound)", "greedy arena", "cpsat arena", "cpsat status, s",
+              "peak with share (saving)"]
     rows = []
     for name in names:
         example = build(name)
@@ -36,7 +38,7 @@ def section(names: list[str], fraction: float, limit: float) -> str:
             solution = solve(coarsened.coarse, resolve_budget(graph, fraction), "auto", time_limit=limit)
             schedules.append((f"auto at {fraction:.0%}", coarsened.expand(solution.schedule)))
         except (InfeasibleBudget, TimeoutError) as error:
-            rows.append([name, f"auto at {fraction:.0%}", str(error).split(";")[0]] + ["-"] * 4)
+            rows.append([name, f"auto at {fraction:.0%}", str(error).split(";")[0]] + ["-"] * 5)
         for label, schedule in schedules:
             found = allocations(graph, schedule)
             greedy = greedy_layout(found)
@@ -44,9 +46,16 @@ def section(names: list[str], fraction: float, limit: float) -> str:
             rows.append([name, label, str(len(found)), format_bytes(greedy.live_bytes),
                          f"{format_bytes(greedy.arena_bytes)} ({greedy.fragmentation:+.2%})",
                          f"{format_bytes(exact.arena_bytes)} ({exact.fragmentation:+.2%})",
-                         f"{exact.status}, {exact.seconds:.1f}"])
+                         f"{exact.status}, {exact.seconds:.1f}", _shared_peak(graph, schedule)])
             print("  ".join(rows[-1]), flush=True)
     return table(header, rows)
+
+
+def _shared_peak(graph: Graph, schedule: Schedule) -> str:
+    """The schedule's peak when pointwise ops write over inputs they are the last to read."""
+    plain, shared = simulate(graph, schedule).peak_bytes, simulate(graph, schedule, share=True)
+    return (f"{format_bytes(shared.peak_bytes)} ({1 - shared.peak_bytes / plain:.2%}, "
+            f"{len(shared.shared)} ops share)")
 
 
 def order_section(names: list[str], fraction: float, limit: float) -> str:

@@ -152,11 +152,13 @@ def main() -> None:
         section("Solve time vs graph size (random residual training graphs, budget 50%)", text, "",
                 "![solve time](solve_time.png)")
     if "layout" in sections:
-        section("Memory layout and execution order (simulated)",
+        section("Memory layout, sharing and execution order (simulated)",
                 "Every allocation of the schedule (storages and op workspaces, aligned to 64 bytes) gets an offset "
                 "in one arena; tensors alive at once must not overlap. The live-bytes peak is the bound any layout "
                 f"must meet; greedy by size is memonger's / TFLite's strategy; CP-SAT (no-overlap 2-D, limit "
-                f"{config.plan_limit:g} s, hinted with greedy) is exact when it reports OPTIMAL.", "",
+                f"{config.plan_limit:g} s, hinted with greedy) is exact when it reports OPTIMAL. The last column is the "
+                "same schedule's peak when every pointwise op that is the last reader of a same-sized input writes "
+                "over it (the exact runtime does so through the op's out= overload).", "",
                 layout.section(list(config.plan_models), 0.7, config.plan_limit), "",
                 "Execution order: the traced order against the one `optremat.order.best_order` picks (greedy "
                 "least-net-bytes list scheduling, in-place ops kept after the readers of what they overwrite; kept "

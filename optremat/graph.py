@@ -202,6 +202,41 @@ class Graph:
         return _frozen(sizes, np.int64)
 
     @cached_property
+    def storage_root(self) -> np.ndarray:
+        """The node owning each node's storage: itself, or for a view its base's owner (a
+        part owns its own bytes)."""
+        root = np.arange(self.n)
+        for v in np.nonzero((self.alias_of >= 0) & ~self.is_part)[0].tolist():
+            root[v] = root[self.alias_of[v]]
+        return _frozen(root, np.int64)
+
+    @cached_property
+    def shareable(self) -> np.ndarray:
+        """For each node, the input whose storage its output may take over (-1 for none).
+
+        Only a pointwise op qualifies, and only for an input of its output's type and shape
+        whose storage is exactly the output's size (one output of a multi-output op
+        qualifies, a storage shared by several does not), that the op reads through no other view, and that is not a parameter, input or
+        output of the step. Graphs without tensor types share nothing."""
+        share = np.full(self.n, -1, dtype=np.int64)
+        if len(self.tensor) != self.n:
+            return _frozen(share, np.int64)
+        root = self.storage_root
+        fixed = self.pinned | self.output
+        for v in np.nonzero(self.fusible & (self.alias_of < 0) & (self.size > 0))[0].tolist():
+            if "]," in self.tensor[v]:
+                continue
+            preds = self.preds[v].tolist()
+            for p in preds:
+                r = int(root[p])
+                if (self.tensor[p] == self.tensor[v] and self.size[r] == self.size[v] and self.unit_size[r] == self.size[r]
+                        and self.units[r] == (r,) and not fixed[r]
+                        and all(root[q] != r for q in preds if q != p)):
+                    share[v] = p
+                    break
+        return _frozen(share, np.int64)
+
+    @cached_property
     def pinned_bytes(self) -> int:
         return int(self.size[self.pinned].sum())
 

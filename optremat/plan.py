@@ -39,7 +39,7 @@ from optremat.schedule import Schedule, keep_all, simulate
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
 from optremat.solve import SOLVERS, best_heuristic, solve
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 RUNTIMES = ("checkpoint", "exact")
 EXACT_ATTEMPTS = 3
 """Solves tried for the exact runtime, each with the budget reduced by the last plan's excess."""
@@ -76,6 +76,7 @@ class Plan:
     solver_overhead: float
     training: bool = True
     runtime: str = "checkpoint"
+    shared: tuple[tuple[int, int], ...] = ()
     cached: bool = field(default=False, compare=False)
     executable: Any = field(default=None, repr=False, compare=False)
 
@@ -86,11 +87,13 @@ class Plan:
 
     def decisions(self) -> dict[str, str]:
         """For every forward op of the model: keep, recompute, share (a view or in-place
-        result that holds another tensor's storage) or free (the backward never reads it)."""
+        result that holds another tensor's storage, or an op the exact runtime runs over
+        the storage of an input it is the last to read) or free (the backward never reads it)."""
         graph = self.graph
         index = {name: i for i, name in enumerate(graph.names)}
         names = self.program or [graph.names[i] for i in np.nonzero(~graph.backward & ~graph.pinned)[0].tolist()]
         recomputed = {graph.names[i] for i, s, _ in self.schedule.events if s != i}
+        writes_over = {graph.names[int(self.schedule.node[k])] for k, _ in self.shared}
         read_by_backward = np.zeros(graph.n, dtype=bool)
         src, dst = graph.edges[:, 0], graph.edges[:, 1]
         read_by_backward[src[graph.backward[dst]]] = True
@@ -99,7 +102,7 @@ class Plan:
             i = index[name]
             if name in recomputed:
                 out[name] = "recompute"
-            elif graph.alias_of[i] >= 0 and not graph.is_part[i]:
+            elif (graph.alias_of[i] >= 0 and not graph.is_part[i]) or name in writes_over:
                 out[name] = "share"
             else:
                 out[name] = "keep" if read_by_backward[i] else "free"
@@ -114,7 +117,8 @@ class Plan:
         lost = self.predicted_overhead - self.solver_overhead
         lowering = f" ({lost:+.2%} from lowering to checkpoint segments)" if abs(lost) > 5e-5 else ""
         segments = (f"{sum(s.checkpointed for s in self.segments)} of {len(self.segments)} segments checkpointed"
-                    if self.runtime == "checkpoint" else "exact runtime (op by op)")
+                    if self.runtime == "checkpoint"
+                    else f"exact runtime (op by op; {len(self.shared)} ops write over inputs they read last)")
         arena = layout(self.graph, self.schedule, "greedy")
         return "\n".join([
             f"budget {format_bytes(self.budget_bytes)}: predicted peak {format_bytes(self.predicted_peak_bytes)} "
@@ -170,6 +174,7 @@ class Plan:
             "solver_overhead": self.solver_overhead,
             "training": self.training,
             "runtime": self.runtime,
+            "shared": [list(pair) for pair in self.shared],
         }
 
     @classmethod
@@ -182,9 +187,10 @@ class Plan:
         segments = tuple(Segment(start, stop, None if saved is None else frozenset(saved), frozenset(recomputed))
                          for start, stop, saved, recomputed in data["segments"])
         fields = {k: v for k, v in data.items() if k not in ("format", "version", "graph", "schedule", "segments",
-                                                             "program")}
+                                                             "program", "shared")}
         return cls(graph=Graph.from_json(data["graph"]), schedule=Schedule.from_json(data["schedule"]),
-                   segments=segments, program=tuple(data["program"]), **fields)
+                   segments=segments, program=tuple(data["program"]),
+                   shared=tuple((int(k), int(p)) for k, p in data["shared"]), **fields)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as versioned JSON (atomically: a reader never sees half a plan)."""
@@ -261,7 +267,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     with store.locked(key):
         hit = store.get(key, time_limit)
         if hit is not None:
-            executable = forward or exact_program(model, traced, inputs, hit.graph, hit.schedule)
+            executable = forward or exact_program(model, traced, inputs, hit.graph, hit.schedule, dict(hit.shared))
             return replace(hit, executable=executable, cached=True)
         result = solved()
         store.put(key, result, time_limit)
@@ -297,7 +303,7 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
             if solution is None:
                 raise InfeasibleBudget(budget_bytes, error.smallest, f"{solver} (on the coarsened graph)") from None
         fine = coarse.expand(solution.schedule)
-        result = simulate(coarse.fine, fine)
+        result = simulate(coarse.fine, fine, share=True)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
         if result.peak_bytes <= budget_bytes:
             total = graph.total_cost
@@ -307,20 +313,22 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
                         predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
                         lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
                         solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
-                        training=model.training, runtime="exact",
-                        executable=exact_program(model, traced, inputs, coarse.fine, fine))
+                        training=model.training, runtime="exact", shared=tuple(sorted(result.shared.items())),
+                        executable=exact_program(model, traced, inputs, coarse.fine, fine, result.shared))
         if exhausted:
             break
         target -= result.peak_bytes - budget_bytes
     raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
 
 
-def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule) -> Any:
-    """The exact runtime's executable for `schedule` on `graph` (the traced step, reordered)."""
+def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule,
+                  shared: dict[int, int] | None = None) -> Any:
+    """The exact runtime's executable for `schedule` on `graph` (the traced step, reordered),
+    with the computations in `shared` writing over the inputs it names."""
     from optremat.runtime.exact import ExactProgram
 
     return ExactProgram(traced, graph, schedule, len(dict(model.named_parameters())),
-                        len(dict(model.named_buffers())), len(tree_leaves(inputs)))
+                        len(dict(model.named_buffers())), len(tree_leaves(inputs)), shared)
 
 
 def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, budget_bytes: int, *, solver: str,

@@ -20,7 +20,7 @@ outputs (loss, gradients) are never freed: they are the step's result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable
 
@@ -169,6 +169,8 @@ class SimResult:
     `simulate(..., allocations=True)`, `allocations` lists every allocation as rows
     (bytes, first, end) over `curve`'s indices: live at index c when first <= c < end
     (a storage from the computation that creates it, an op's workspace for its own index).
+    `shared` maps each computation (an index into the schedule's events) that writes its
+    output over an input's storage to that input node.
     """
 
     peak_bytes: int
@@ -178,6 +180,7 @@ class SimResult:
     stage_peak: np.ndarray
     recomputations: int
     allocations: np.ndarray | None = None
+    shared: dict[int, int] = field(default_factory=dict)
 
     @property
     def overhead(self) -> float:
@@ -185,9 +188,16 @@ class SimResult:
         return self.cost / self.baseline_cost - 1.0 if self.baseline_cost > 0 else 0.0
 
 
-def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False) -> SimResult:
+def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
+             share: bool | frozenset[int] = False) -> SimResult:
     """Validate `schedule` on `graph` and price it; raises InvalidSchedule if it cannot run.
-    `allocations=True` also records every allocation's bytes and lifetime (for layouts)."""
+    `allocations=True` also records every allocation's bytes and lifetime (for layouts).
+
+    `share=True` lets every computation of a pointwise op take over the storage of the
+    input `graph.shareable` names when nothing else needs that storage after it (the
+    in-place variant), so the op allocates nothing; a set of event indices shares exactly
+    those computations and raises InvalidSchedule where one cannot.
+    """
     n = graph.n
     if schedule.num_stages != n:
         raise InvalidSchedule(f"schedule has {schedule.num_stages} stages for a graph of {n} nodes", 0, 0)
@@ -232,6 +242,19 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False) -> 
                 if allocations:
                     closed.append((*opened.pop(instance), state["at"]))
 
+    shareable = graph.shareable.tolist() if share is not False else []
+    shared: dict[int, int] = {}
+
+    def takeover(k: int, s: int, pos: int, last_use: dict[int, int]) -> int:
+        """The storage instance computation k may write over (-1 if none)."""
+        p = shareable[k]
+        if p < 0:
+            return -1
+        ((_, instance),) = storage[p].items()
+        releasing = {q for q in preds[k].tolist() if live_until[q] == s and not resident[q]
+                     and last_use[q] == pos and instance in storage[q].values()}
+        return instance if holders[instance] == len(releasing) else -1
+
     curve = np.zeros(len(schedule.node), dtype=np.int64)
     stage_peak = np.zeros(n, dtype=np.int64)
     bounds = np.searchsorted(schedule.stage, np.arange(n + 1))
@@ -258,7 +281,15 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False) -> 
             if live_until[k] >= s:
                 raise InvalidSchedule("node is computed while a copy of it is still live", s, k)
             state["at"] = lo + pos
-            hold(k)
+            instance = takeover(k, s, pos, last_use) if share is True or (share and lo + pos in share) else -1
+            if share and share is not True and lo + pos in share and instance < 0:
+                raise InvalidSchedule("cannot write over the input's storage: it is still needed", s, k)
+            if instance >= 0:
+                storage[k] = {k: instance}
+                holders[instance] += 1
+                shared[lo + pos] = shareable[k]
+            else:
+                hold(k)
             live_until[k] = u
             if u > s:
                 expiring[u].append(k)
@@ -290,6 +321,7 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False) -> 
         stage_peak=stage_peak,
         recomputations=schedule.recomputations,
         allocations=table,
+        shared=shared,
     )
 
 

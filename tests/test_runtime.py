@@ -271,6 +271,8 @@ def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float, orde
     plan = optremat.plan(model, inputs, budget, time_limit=10, runtime="exact", order=order)
     assert plan.runtime == "exact" and plan.predicted_peak_bytes <= plan.budget_bytes
     assert plan.schedule.recomputations > 0
+    assert plan.shared, "pointwise ops should write over the inputs they are the last to read"
+    assert "share" in plan.decisions().values()
     assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state),
                      train_step(model, model, inputs, loss_fn, state))
 

@@ -134,3 +134,36 @@ def test_recomputing_a_base_while_an_alias_holds_its_old_storage_costs_twice():
     res = simulate(g, sched)
     assert res.curve.tolist() == [10, 10, 11, 20, 21, 12]
     assert res.peak_bytes == brute_force_peak(g, sched) == 21
+
+
+@settings(max_examples=150, deadline=None)
+@given(graphs(), st.data())
+def test_sharing_never_raises_the_peak_and_replays_exactly(g, data):
+    kept = data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n))
+    for schedule in (keep_all(g), recompute_all(g), from_kept(g, np.array(kept))):
+        plain = simulate(g, schedule)
+        shared = simulate(g, schedule, share=True, allocations=True)
+        assert shared.peak_bytes <= plain.peak_bytes and shared.cost == plain.cost
+        for k, p in shared.shared.items():
+            assert g.shareable[schedule.node[k]] == p
+        again = simulate(g, schedule, share=frozenset(shared.shared))
+        assert again.curve.tolist() == shared.curve.tolist()
+        live = np.zeros(len(shared.curve), dtype=np.int64)
+        for size, first, end in shared.allocations.tolist():
+            live[first:end] += size
+        assert live.tolist() == shared.curve.tolist()
+
+
+def test_a_share_whose_input_is_still_needed_is_rejected():
+    # 0 -> relu-like 1 (may write over 0) -> 2, but 2 also reads 0: 0 is still needed at 1.
+    g = Graph.build(cost=[1, 1, 1], size=[8, 8, 8], edges=[(0, 1), (1, 2), (0, 2)], fusible=[False, True, False],
+                    tensor=["f32[2]"] * 3, output=[False, False, True])
+    assert g.shareable.tolist() == [-1, 0, -1]
+    assert simulate(g, keep_all(g), share=True).shared == {}
+    with pytest.raises(InvalidSchedule, match="still needed"):
+        simulate(g, keep_all(g), share=frozenset({1}))
+    chain = Graph.build(cost=[1, 1, 1], size=[8, 8, 8], edges=[(0, 1), (1, 2)], fusible=[False, True, False],
+                        tensor=["f32[2]"] * 3, output=[False, False, True])
+    result = simulate(chain, keep_all(chain), share=True)
+    assert result.shared == {1: 0}
+    assert result.curve.tolist() == [8, 8, 16] and simulate(chain, keep_all(chain)).curve.tolist() == [8, 16, 16]

@@ -59,7 +59,8 @@ class Planned(nn.Module):
         if fingerprint != self.plan.program_fingerprint:
             raise PlanMismatch("this plan was made for another model or input shape (fingerprint "
                                f"{self.plan.program_fingerprint}, this model gives {fingerprint}); plan again")
-        return exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule) if exact else program
+        return (exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule, dict(self.plan.shared))
+                if exact else program)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.model.state_dict(*args, **kwargs)

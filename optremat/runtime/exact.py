@@ -7,7 +7,8 @@ with the Function. Its backward receives the output's gradient, runs the remaini
 and hands autograd the parameter gradients. Every tensor is freed exactly where
 `simulate()` frees it, so the measured peak follows the simulated one, and a node may be
 computed any number of times. Random ops replay the generator state of their first run,
-and recomputed ops that update buffers (BatchNorm statistics) write to scratch copies.
+recomputed ops that update buffers (BatchNorm statistics) write to scratch copies, and a
+pointwise op the plan shares writes its result over the input it is the last to read.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ExactProgram:
     """A schedule of `graph` (the traced step, in any topological order) ready to run."""
 
     def __init__(self, traced: Traced, graph: Graph, schedule: Schedule, num_params: int, num_buffers: int,
-                 num_inputs: int) -> None:
+                 num_inputs: int, shared: dict[int, int] | None = None) -> None:
         gm = traced.module
         by_name = {n.name: n for n in gm.graph.nodes}
         self.nodes = [by_name[name] for name in graph.names]
@@ -55,7 +56,7 @@ class ExactProgram:
         self.index = index
         self.mutated_buffers = [[index[b] for b in mutated_inputs(node) if index[b] in self.buffers] for node in self.nodes]
         self.split = _first_reading(graph, self.tangent_inputs)
-        self.stages = _instructions(graph, schedule)
+        self.stages = _instructions(graph, schedule, shared or {})
 
     def run(self, param_names: list[str], leaves: list[Any]) -> Any:
         """The model's output for one training step; its backward runs the rest of the schedule."""
@@ -82,7 +83,7 @@ class ExactProgram:
         drop_first, events = self.stages[s]
         for i in drop_first:
             del env[i]
-        for k, drops in events:
+        for k, drops, into in events:
             node = self.nodes[k]
             recompute = k != s
             scope = env
@@ -93,7 +94,9 @@ class ExactProgram:
             def value(fx_node: torch.fx.Node) -> Any:
                 return scope[index[fx_node]]
 
-            if is_random(node):
+            if into >= 0:
+                env[k] = call(node, value, into=env[into])
+            elif is_random(node):
                 device = tree_leaves(node.meta["val"])[0].device
                 if recompute:
                     current = rng_state(device)
@@ -151,9 +154,11 @@ def _first_reading(graph: Graph, tangents: list[int]) -> int:
     return int(np.argmax(depends)) if depends.any() else graph.n
 
 
-def _instructions(graph: Graph, schedule: Schedule) -> list[tuple[list[int], list[tuple[int, list[int]]]]]:
+def _instructions(graph: Graph, schedule: Schedule, shared: dict[int, int]
+                  ) -> list[tuple[list[int], list[tuple[int, list[int], int]]]]:
     """Per stage: the tensors to free on entry, then each computation with the tensors to
-    free right after it; the same liveness `simulate()` prices."""
+    free right after it and the input it writes over (-1 for none; `shared` maps event
+    indices to those inputs); the same liveness `simulate()` prices."""
     n = graph.n
     resident = graph.pinned | graph.output
     bounds = np.searchsorted(schedule.stage, np.arange(n + 1))
@@ -186,6 +191,6 @@ def _instructions(graph: Graph, schedule: Schedule) -> list[tuple[list[int], lis
             for i in drops:
                 live_until[i] = -1
             if not graph.pinned[k]:
-                events.append((k, drops))
+                events.append((k, drops, shared.get(lo + pos, -1)))
         stages.append((drop_first, events))
     return stages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable
 
@@ -56,9 +57,37 @@ def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def call(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any]) -> Any:
+def call(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], into: torch.Tensor | None = None) -> Any:
+    """Run the node's op on the values of its inputs; with `into`, write the result over
+    that tensor (an input the op is the last to read) through the op's out= overload,
+    when it has one and `into` has the result's shape, dtype and strides."""
     args = torch.fx.node.map_arg(node.args, value)
     kwargs = torch.fx.node.map_arg(node.kwargs, value)
     if node.target is operator.getitem:
         return args[0][args[1]]
+    if into is not None:
+        variant = out_variant(node.target)
+        expected = node.meta.get("val")
+        if (variant is not None and isinstance(expected, torch.Tensor) and into.shape == expected.shape
+                and into.dtype == expected.dtype and into.stride() == expected.stride()):
+            overload, out = variant
+            return overload(*args, **kwargs, **{out: into})
     return node.target(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def out_variant(op: Any) -> tuple[Any, str] | None:
+    """The out= overload of an aten op taking the same arguments (names and types) plus
+    one output argument, with that argument's name; or None."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return None
+    signature = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        outs = [a for a in arguments if a.is_out]
+        if len(outs) == 1 and [(a.name, str(a.type)) for a in arguments if not a.is_out] == signature:
+            return candidate, outs[0].name
+    return None
