@@ -66,12 +66,10 @@ def models_section(names: list[str], torch_budgets: tuple[float, ...], fractions
                              f"{r.step_seconds:.3f}", f"{r.setup_seconds:.1f}"])
             peer = peers.get(r.matches or "")
             if peer is not None and peer.ran:
-                verdict = ("optremat" if r.overhead < peer.overhead and r.peak_bytes <= peer.peak_bytes
-                           else "peer" if r.peak_bytes <= peer.peak_bytes else "peer (optremat over its peak)")
                 equal_rows.append([name, peer.method, format_bytes(peer.peak_bytes), f"{peer.overhead:+.1%} vs "
                                    f"{peer.baseline}", f"{peer.step_seconds:.3f}", format_bytes(r.peak_bytes),
                                    f"{r.overhead:+.1%}", f"{r.predicted_overhead:+.1%}", f"{r.step_seconds:.3f}",
-                                   verdict])
+                                   verdict(peer, r)])
         for r in measured:
             if r.matches is not None and not r.ran and r.matches in peers:
                 peer = peers[r.matches]
@@ -80,6 +78,26 @@ def models_section(names: list[str], torch_budgets: tuple[float, ...], fractions
     equal_header = ["model", "peer", "peer peak", "peer overhead", "peer step s", "optremat peak",
                     "optremat overhead", "optremat predicted", "optremat step s", "lower overhead at ≤ peak"]
     return table(all_header, all_rows), table(equal_header, equal_rows)
+
+
+def verdict(peer: Measured, planned: Measured) -> str:
+    """Who has the lower measured overhead at no more than the peer's measured peak."""
+    if planned.peak_bytes > peer.peak_bytes:
+        return "peer (optremat over its peak)"
+    return "optremat" if planned.overhead < peer.overhead else "peer"
+
+
+def losses(results: dict[str, list[Measured]]) -> list[str]:
+    """The comparisons optremat loses, one phrase each."""
+    found = []
+    for name, measured in results.items():
+        peers = {r.method: r for r in measured if r.matches is None}
+        for r in measured:
+            peer = peers.get(r.matches or "")
+            if peer is not None and peer.ran and (not r.ran or verdict(peer, r) != "optremat"):
+                found.append(f"{name} against {peer.method} ({peer.overhead:+.1%} vs optremat "
+                             + (f"{r.overhead:+.1%})" if r.ran else "infeasible)"))
+    return found
 
 
 def memory_plot(name: str, fraction: float, limit: float, path: Path) -> str:
