@@ -87,6 +87,14 @@ def verdict(peer: Measured, planned: Measured) -> str:
     return "optremat" if planned.overhead < peer.overhead else "peer"
 
 
+def losses_sentence(results: dict[str, list[Measured]]) -> str:
+    """The comparisons at equal peak that optremat loses, as a sentence for the results."""
+    lost = losses(results)
+    if not lost:
+        return "optremat has the lower overhead in every comparison at equal peak."
+    return f"optremat has the higher overhead in {len(lost)} of these comparisons: " + "; ".join(lost) + "."
+
+
 def losses(results: dict[str, list[Measured]]) -> list[str]:
     """The comparisons optremat loses, one phrase each."""
     found = []
@@ -124,8 +132,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--limit", type=float, default=10.0)
     args = parser.parse_args()
+    measured: dict[str, list[Measured]] = {}
     every, equal = models_section(args.models.split(","), tuple(float(b) for b in args.torch_budgets.split(",")),
-                                  tuple(float(f) for f in args.fractions.split(",")), args.runs, args.limit)
+                                  tuple(float(f) for f in args.fractions.split(",")), args.runs, args.limit, measured)
+    equal += "\n\n" + losses_sentence(measured)
     out = HERE / "peers.md"
     command = (f"python -m benchmarks.peers --models {args.models} --torch-budgets {args.torch_budgets} "
                f"--fractions {args.fractions} --runs {args.runs} --limit {args.limit:g}")

@@ -113,9 +113,7 @@ def main() -> None:
         measured: dict = {}
         every, equal = peers.models_section(list(config.peer_models), config.torch_budgets, config.peer_fractions,
                                             config.runs, config.peer_limit, measured)
-        lost = peers.losses(measured)
-        equal += ("\n\n" + (f"optremat has the higher overhead in {len(lost)} of these comparisons: "
-                               + "; ".join(lost) + "." if lost else "optremat has the lower overhead in every one."))
+        equal += "\n\n" + peers.losses_sentence(measured)
         caption = peers.memory_plot(config.peer_models[0], 0.7, config.peer_limit, HERE / "memory_over_time.png")
         section("Measured: optremat vs per-block checkpointing vs PyTorch's activation_memory_budget",
                 f"Models {', '.join(config.peer_models)}; PyTorch budgets {config.torch_budgets} (backend "
