@@ -30,10 +30,10 @@ def _load(args: argparse.Namespace) -> tuple[Graph, str]:
     if args.graph:
         return Graph.load(args.graph), args.graph
     from optremat.extract import extract
-    from optremat.models import build
+    from optremat.models import load
 
-    example = build(args.model)
-    return extract(example.model, example.inputs, example.loss_fn, device=args.device), f"built-in model {args.model}"
+    example = load(args.model)
+    return extract(example.model, example.inputs, example.loss_fn, device=args.device), f"model {args.model}"
 
 
 def _graph_command(args: argparse.Namespace) -> int:
@@ -106,10 +106,10 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
-    from optremat.models import build
+    from optremat.models import load
     from optremat.plan import plan
 
-    example = build(args.model)
+    example = load(args.model)
     result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,
                   loss_fn=example.loss_fn if args.runtime == "checkpoint" else None, device=args.device,
                   workers=args.workers, seed=args.seed, runtime=args.runtime, order=args.order,
@@ -120,7 +120,7 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     if args.json:
         print(json.dumps(_plan_report(args.model, result)))
         return 0
-    print(f"built-in model {args.model}: {result.graph.n} ops")
+    print(f"model {args.model}: {result.graph.n} ops")
     print(result.summary())
     if args.save:
         print(f"plan written to {args.save}")
@@ -186,13 +186,13 @@ def _bench_command(args: argparse.Namespace) -> int:
 
     from optremat.bench import PLANNERS, compare, compare_planners
     from optremat.extract import extract
-    from optremat.models import build
+    from optremat.models import load
 
     fractions = [float(f) for f in args.budgets.split(",")]
     torch_budgets = [float(b) for b in args.torch_budgets.split(",")] if args.torch_budgets else []
     if any(not 0 < f <= 1 for f in fractions) or any(not 0 <= b <= 1 for b in torch_budgets):
         raise ValueError("--budgets are fractions in (0, 1] and --torch-budgets in [0, 1]")
-    example = build(args.model)
+    example = load(args.model)
     graph = extract(example.model, example.inputs, example.loss_fn)
     unplanned = simulate(graph, keep_all(graph)).peak_bytes
 
@@ -300,9 +300,9 @@ def _budget(text: str) -> int | float | str:
         return text
 
 
-def _add_source(command: argparse.ArgumentParser, models: list[str]) -> None:
+def _add_source(command: argparse.ArgumentParser, model_help: str) -> None:
     source = command.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", choices=models, help="a built-in model")
+    source.add_argument("--model", help=model_help)
     source.add_argument("--graph", help="a graph file (optremat JSON or a published node-link benchmark graph)")
     command.add_argument("--device", default="cpu", help="device profile for roofline costs (cpu, a100, h100)")
 
@@ -310,16 +310,19 @@ def _add_source(command: argparse.ArgumentParser, models: list[str]) -> None:
 def _parser() -> argparse.ArgumentParser:
     from optremat.models import BUILDERS
 
+    model_help = (f"a built-in model ({', '.join(sorted(BUILDERS))}) or path/to/file.py:function returning "
+                  "(model, example_inputs[, loss_fn])")
+
     parser = argparse.ArgumentParser(prog="optremat", description="Activation rematerialization planning for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     graph = commands.add_parser("graph", help="extract (or load) a training-step graph and summarise it")
-    _add_source(graph, sorted(BUILDERS))
+    _add_source(graph, model_help)
     graph.add_argument("--by-module", action="store_true", help="also group consecutive ops of one module")
     graph.add_argument("--save", help="write the extracted graph as JSON")
     graph.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     graph.set_defaults(run=_graph_command)
     plan = commands.add_parser("plan", help="plan rematerialization under a memory budget")
-    _add_source(plan, sorted(BUILDERS))
+    _add_source(plan, model_help)
     plan.add_argument("--budget", required=True,
                       help="bytes (123456789), a size (6GiB, 500MB) or a fraction of the unplanned peak (0.5)")
     plan.add_argument("--solver", default="auto", choices=SOLVERS)
@@ -353,7 +356,7 @@ def _parser() -> argparse.ArgumentParser:
     batch.set_defaults(run=_max_batch_command)
     bench = commands.add_parser("bench", help="every planner at several budgets (simulated), and optremat against "
                                 "per-block checkpointing and PyTorch's activation_memory_budget (measured)")
-    bench.add_argument("--model", required=True, choices=sorted(BUILDERS))
+    bench.add_argument("--model", required=True, help=model_help)
     bench.add_argument("--budgets", default="0.7,0.5", help="fractions of the unplanned peak, comma-separated")
     bench.add_argument("--torch-budgets", default="0.5,0.1",
                        help="activation_memory_budget values for torch.compile, comma-separated ('' for none)")
@@ -383,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"optremat: no plan: {error}", file=sys.stderr)
         return EXIT_INFEASIBLE
     except (GraphError, ExtractionError, OSError, ValueError, KeyError) as error:
-        print(f"optremat: error: {error}", file=sys.stderr)
+        print(f"optremat: error: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

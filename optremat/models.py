@@ -12,9 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import importlib.util
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass(frozen=True)
@@ -230,3 +234,32 @@ def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, batch
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in example.inputs)
         return Example(example.model.to(dtype), inputs, example.loss_fn)
     return example
+
+
+def load(spec: str) -> Example:
+    """A built-in model by name, or `path/to/file.py:function` where the function returns
+    `(model, example_inputs)` or `(model, example_inputs, loss_fn)`. Without a loss the
+    step's loss is the sum of the output's floating-point tensors."""
+    if spec in BUILDERS:
+        return build(spec)
+    path, _, function = spec.rpartition(":")
+    if not path.endswith(".py") or not function.isidentifier():
+        raise KeyError(f"unknown model {spec!r}; choose one of {', '.join(sorted(BUILDERS))} "
+                       "or give path/to/file.py:function")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such model file: {path}")
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, function, None)):
+        raise KeyError(f"{path} defines no function {function!r}")
+    made = getattr(module, function)()
+    if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
+        raise ValueError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
+    inputs = made[1] if isinstance(made[1], tuple) else (made[1],)
+    return Example(made[0], inputs, made[2] if len(made) == 3 else _sum_of_outputs)
+
+
+def _sum_of_outputs(output: object) -> torch.Tensor:
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.sum() for t in leaves)

@@ -31,7 +31,8 @@ def test_bad_inputs_exit_2_with_one_line():
     assert missing.returncode == 2
     assert missing.stderr.strip().count("\n") == 0 and "exist.json" in missing.stderr
     unknown = run("graph", "--model", "no-such-model")
-    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
+    assert unknown.returncode == 2 and "unknown model 'no-such-model'" in unknown.stderr
+    assert unknown.stderr.strip().count("\n") == 0
 
 
 def test_published_graph():
@@ -107,3 +108,20 @@ def test_plan_model_infeasible_budget_exits_3_naming_the_smallest():
     result = run("plan", "--model", "resnet-tiny", "--budget", "0.3", "--time-limit", "5")
     assert result.returncode == 3, result.stderr
     assert "smallest budget" in result.stderr and result.stderr.strip().count("\n") == 0
+
+
+def test_plan_a_model_from_a_python_file(tmp_path):
+    source = tmp_path / "mymodel.py"
+    source.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())\n"
+        "                                  for _ in range(6)])\n"
+        "    return model, torch.randn(256, 64)\n")
+    result = run("plan", "--model", f"{source}:build", "--budget", "0.9", "--time-limit", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["peak_bytes"] <= data["budget_bytes"] < data["unplanned_peak_bytes"]
+    missing = run("plan", "--model", f"{source}:nothing", "--budget", "0.8")
+    assert missing.returncode == 2 and "defines no function 'nothing'" in missing.stderr

@@ -59,18 +59,12 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
     n, m = graph.n, len(program)
     position = np.full(n, -1, dtype=np.int64)
     position[program] = np.arange(m)
-    succs = graph.succs
-    backward = graph.backward
     resident = graph.pinned | graph.output
     base = _storage_base(graph)
 
-    backward_reads = [[int(s) for s in succs[v] if backward[s]] for v in range(n)]
+    backward_reads, last_forward_read, hidden = _readers(graph, position, m)
     read_by_backward = np.zeros(n, dtype=bool)
     read_by_backward[base[[v for v in range(n) if backward_reads[v]]]] = True
-    last_forward_read = np.full(n, -1, dtype=np.int64)
-    for v in program.tolist():
-        readers = [position[s] if position[s] >= 0 else m for s in succs[v].tolist() if not backward[s]]
-        last_forward_read[v] = max(readers, default=-1)
 
     saved = np.asarray(kept, dtype=bool).copy()
     saved[_overwritten(graph, program)] = False
@@ -92,7 +86,7 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
             lowered.append(Segment(start, stop))
             continue
         t = min(s for v in members for s in backward_reads[v])
-        recompute.setdefault(t, []).extend(needed)
+        recompute.setdefault(t, []).extend(needed + [a for v in needed for a in hidden[v]])
         for v in members:
             for p in graph.preds[v].tolist():
                 if not start <= position[p] < stop:
@@ -183,6 +177,33 @@ def module_keep_sets(graph: Graph, program: np.ndarray, strides: tuple[int, ...]
     return keep_sets
 
 
+def _readers(graph: Graph, position: np.ndarray, m: int) -> tuple[list[list[int]], np.ndarray, list[list[int]]]:
+    """Per node: the backward ops that read it, the last program position that reads it
+    in the forward (`m` for a read after the program, by the loss), and the aliases
+    outside the program (a `detach` the traced graph saves a tensor through): those are
+    looked through, their readers counted as the node's, and recomputed with it."""
+    n = graph.n
+    backward, succs, alias_of, is_part = graph.backward, graph.succs, graph.alias_of, graph.is_part
+    backward_reads: list[list[int]] = [[] for _ in range(n)]
+    last = np.full(n, -1, dtype=np.int64)
+    hidden: list[list[int]] = [[] for _ in range(n)]
+    for v in range(n):
+        stack = [v]
+        while stack:
+            u = stack.pop()
+            for s in succs[u].tolist():
+                if backward[s]:
+                    backward_reads[v].append(s)
+                elif position[s] >= 0:
+                    last[v] = max(last[v], position[s])
+                elif alias_of[s] == u and not is_part[s] and not graph.output[s] and succs[s].size:
+                    hidden[v].append(s)
+                    stack.append(s)
+                else:
+                    last[v] = max(last[v], m)
+    return backward_reads, last, hidden
+
+
 def _last_read(graph: Graph, program: np.ndarray) -> np.ndarray:
     """Per program position, the last position whose op reads that op's storage in the
     forward (len(program) for reads after the program)."""
@@ -190,10 +211,10 @@ def _last_read(graph: Graph, program: np.ndarray) -> np.ndarray:
     position = np.full(graph.n, -1, dtype=np.int64)
     position[program] = np.arange(m)
     base = _storage_base(graph)
+    last = _readers(graph, position, m)[1]
     reach = np.full(graph.n, -1, dtype=np.int64)
     for k, v in enumerate(program.tolist()):
-        reads = [position[s] if position[s] >= 0 else m for s in graph.succs[v].tolist() if not graph.backward[s]]
-        reach[base[v]] = max([reach[base[v]], k] + reads)
+        reach[base[v]] = max(reach[base[v]], k, last[v])
     return reach[program]
 
 
