@@ -41,7 +41,8 @@ class Measured:
     """One method run on the model: its measured peak and step-time overhead.
 
     `overhead` is against `baseline` (the unplanned step in the same mode);
-    `setup_seconds` is planning or compilation time; `predicted_peak_bytes` and
+    `setup_seconds` is planning or compilation time plus the first (warm-up) step, which
+    holds any lazy work; `predicted_peak_bytes` and
     `predicted_overhead` are the plan's own predictions where the method makes them;
     `matches` names the peer whose measured peak was the plan's budget. `note` explains
     a method that did not run (then the figures are zero).
