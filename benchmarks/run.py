@@ -1,6 +1,6 @@
 """The whole comparison suite in one command; writes benchmarks/RESULTS.md and its plots.
 
-    python -m benchmarks.run --quick     # about 15 minutes on 2 CPU cores
+    python -m benchmarks.run --quick     # about 13 minutes on 2 CPU cores
     python -m benchmarks.run --full      # hours: larger models, every budget, longer solver limits
     python -m benchmarks.run --quick --graphs ../shared/graphs --sections peers,planners
 
