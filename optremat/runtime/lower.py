@@ -60,7 +60,7 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
     position = np.full(n, -1, dtype=np.int64)
     position[program] = np.arange(m)
     resident = graph.pinned | graph.output
-    base = _storage_base(graph)
+    base = graph.storage_root
 
     backward_reads, last_forward_read, hidden = _readers(graph, position, m)
     read_by_backward = np.zeros(n, dtype=bool)
@@ -210,7 +210,7 @@ def _last_read(graph: Graph, program: np.ndarray) -> np.ndarray:
     m = len(program)
     position = np.full(graph.n, -1, dtype=np.int64)
     position[program] = np.arange(m)
-    base = _storage_base(graph)
+    base = graph.storage_root
     last = _readers(graph, position, m)[1]
     reach = np.full(graph.n, -1, dtype=np.int64)
     for k, v in enumerate(program.tolist()):
@@ -239,17 +239,6 @@ def _closure(graph: Graph, nodes: list[int], inside: Callable[[int], bool]) -> l
     return sorted(seen)
 
 
-def _storage_base(graph: Graph) -> np.ndarray:
-    """The node owning each node's storage (itself unless a view; a part's is its op)."""
-    base = np.arange(graph.n)
-    alias_of = graph.alias_of
-    is_part = graph.is_part
-    for v in range(graph.n):
-        if alias_of[v] >= 0 and not is_part[v]:
-            base[v] = base[alias_of[v]]
-    return base
-
-
 def _by_storage(graph: Graph, saved: np.ndarray, base: np.ndarray) -> np.ndarray:
     """Saving is per storage: a view keeps its base. Each output of a multi-output op is
     saved on its own, and the op itself is rerun whenever a part it produces is needed."""
@@ -261,7 +250,7 @@ def _by_storage(graph: Graph, saved: np.ndarray, base: np.ndarray) -> np.ndarray
 
 def _overwritten(graph: Graph, program: np.ndarray) -> list[int]:
     """Storage bases that an in-place forward op writes: a saved copy would go stale."""
-    base = _storage_base(graph)
+    base = graph.storage_root
     return [int(base[graph.alias_of[v]]) for v in program.tolist()
             if graph.alias_of[v] >= 0 and graph.ops[v].split(".")[0].endswith("_")]
 
