@@ -162,6 +162,13 @@ def main() -> None:
                 "same schedule's peak when every pointwise op that is the last reader of a same-sized input writes "
                 "over it (the exact runtime does so through the op's out= overload).", "",
                 layout.section(list(config.plan_models), 0.7, config.plan_limit), "",
+                "Sharing as a decision of the solver, on every op of the small built-in models (the solvers plan "
+                "realistic models on the coarsened graph, where the pointwise ops that could share are folded into "
+                "their producers, so `plan()` shares in a pass over the expanded schedule instead). CP-SAT and the "
+                "MILP choose, per op, whether to write over an input it is the last to hold; `least peak` is CP-SAT's "
+                f"peak-minimising run (limit {config.plan_limit:g} s; the run with sharing is hinted with the plan "
+                "without), then `auto`'s overhead at 90% of the unplanned peak.", "",
+                layout.share_section(list(layout.SHARE_MODELS), 0.9, config.plan_limit), "",
                 "Execution order: the traced order against the one `optremat.order.best_order` picks (greedy "
                 "least-net-bytes list scheduling, in-place ops kept after the readers of what they overwrite; kept "
                 "only where the unplanned peak drops). The budget is 70% of the traced order's unplanned peak. The "

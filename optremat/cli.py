@@ -69,6 +69,9 @@ def _plan_command(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     if args.model:
+        if args.share:
+            raise ValueError("--share is for --graph files; a model's plan shares whenever it runs with "
+                             "--runtime exact, and the checkpoint runtime cannot share")
         return _plan_model(args, progress)
     from optremat.budget import resolve_budget
     from optremat.solve import solve
@@ -76,19 +79,20 @@ def _plan_command(args: argparse.Namespace) -> int:
     graph = Graph.load(args.graph)
     budget = resolve_budget(graph, _budget(args.budget))
     solution = solve(graph, budget, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
-                     seed=args.seed, deterministic=args.deterministic,
+                     seed=args.seed, deterministic=args.deterministic, share=args.share,
                      progress=(lambda e, c, b: progress(e, c, b, graph.total_cost)) if args.progress else None)
-    result = simulate(graph, solution.schedule)
+    result = simulate(graph, solution.schedule, share=frozenset(solution.shared))
     unplanned = simulate(graph, keep_all(graph))
     if args.save:
         with open(args.save, "w") as f:
-            json.dump(solution.schedule.to_json(), f)
+            json.dump({**solution.schedule.to_json(), "shared": sorted(map(list, solution.shared.items()))}, f)
     report = {
         "source": args.graph, "nodes": graph.n, "solver": solution.solver, "status": solution.status,
         "budget_bytes": budget, "peak_bytes": result.peak_bytes, "unplanned_peak_bytes": unplanned.peak_bytes,
         "overhead": result.overhead,
         "lower_bound_overhead": None if solution.lower_bound is None else solution.lower_bound / graph.total_cost - 1,
-        "gap": solution.gap, "recomputations": result.recomputations, "solve_seconds": solution.seconds,
+        "gap": solution.gap, "recomputations": result.recomputations, "shared": len(solution.shared),
+        "solve_seconds": solution.seconds,
     }
     if args.json:
         print(json.dumps(report))
@@ -96,7 +100,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     print(f"{args.graph}: {graph.n} nodes")
     print(f"budget {format_bytes(budget)}: peak {format_bytes(result.peak_bytes)} "
           f"(unplanned {format_bytes(unplanned.peak_bytes)}), overhead {result.overhead:.2%}, "
-          f"{result.recomputations} recomputations")
+          f"{result.recomputations} recomputations" + (f", {len(solution.shared)} ops write over an input" if args.share else ""))
     bound = report["lower_bound_overhead"]
     proof = "" if bound is None else f", proven overhead >= {bound:.2%} (gap {solution.gap:.2%})"
     print(f"{solution.solver}: {solution.status}{proof}, {solution.seconds:.2f} s")
@@ -338,6 +342,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="what runs a model's plan: checkpoint segments, or every op as scheduled")
     plan.add_argument("--order", choices=("traced", "best"), default="traced",
                       help="with --runtime exact, 'best' may run independent ops in an order with a lower peak")
+    plan.add_argument("--share", action="store_true",
+                      help="with --graph, let pointwise ops write over an input they are the last to hold")
     plan.set_defaults(run=_plan_command)
     show = commands.add_parser("show", help="summarise a saved plan and explain its largest decisions")
     show.add_argument("plan", help="a plan written by `optremat plan --model ... --save`")

@@ -224,7 +224,7 @@ class Graph:
         root = self.storage_root
         fixed = self.pinned | self.output
         for v in np.nonzero(self.fusible & (self.alias_of < 0) & (self.size > 0))[0].tolist():
-            if "]," in self.tensor[v]:
+            if "]," in self.tensor[v] or self.units[v] != (v,):
                 continue
             preds = self.preds[v].tolist()
             for p in preds:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from optremat.schedule import Schedule
 
@@ -19,6 +19,9 @@ class Solution:
     limit) with a plan and `lower_bound` on the total cost; HEURISTIC for planners that
     prove nothing. `cost` is the schedule's total cost as simulated. For the interval
     model the proof is relative to `copies` (each node computed at most that many times).
+    `shared` maps each computation (an index into the schedule's events) that writes over
+    an input's storage to that input, as `SimResult.shared` does; `cost` and the plan's
+    peak are priced with those shares.
     """
 
     schedule: Schedule
@@ -28,6 +31,7 @@ class Solution:
     lower_bound: float | None
     seconds: float
     copies: int | None = None
+    shared: dict[int, int] = field(default_factory=dict)
 
     @property
     def gap(self) -> float | None:

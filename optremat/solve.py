@@ -10,7 +10,7 @@ import numpy as np
 
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.graph import Graph
-from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror
+from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror, split_lifetimes
 from optremat.ilp.cpsat import Progress, solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
 from optremat.schedule import Schedule, keep_all, simulate
@@ -22,6 +22,7 @@ HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
     "benefit": greedy_benefit,
     "mirror": mirror,
     "dtr": dtr,
+    "split": split_lifetimes,
     "dp": chain_dp,
 }
 EXACT = ("cpsat", "ilp", "lp-rounding")
@@ -36,6 +37,12 @@ def heuristic(graph: Graph, budget: int, name: str) -> Solution:
     schedule = HEURISTICS[name](graph, budget)
     return Solution(schedule=schedule, solver=name, status=HEURISTIC, cost=simulate(graph, schedule).cost,
                     lower_bound=None, seconds=time.perf_counter() - started)
+
+
+def with_shares(graph: Graph, solution: Solution) -> Solution:
+    """`solution` sharing wherever its schedule allows (`simulate(share=True)`, a superset
+    of any shares a solver chose): the same cost, a peak no higher."""
+    return replace(solution, shared=simulate(graph, solution.schedule, share=True).shared)
 
 
 def best_heuristic(graph: Graph, budget: int) -> tuple[Solution | None, int | None]:
@@ -54,8 +61,12 @@ def best_heuristic(graph: Graph, budget: int) -> tuple[Solution | None, int | No
 
 def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_limit: float = 30.0, *,
           hint: Schedule | None = None, copies: int = 2, workers: int = 0, seed: int = 0,
-          deterministic: bool = False, progress: Progress | None = None) -> Solution:
+          deterministic: bool = False, progress: Progress | None = None, share: bool = False) -> Solution:
     """The least-cost plan for `graph` under `budget` that `solver` finds.
+
+    With `share`, ops may write their output over an input they are the last to hold
+    (`Graph.shareable`), priced in the budget: CP-SAT and the MILP decide which, the
+    other planners share wherever their schedule allows (`Solution.shared`).
 
     `auto` runs the heuristics, hands the best to CP-SAT as a hint (raising `copies` to
     what the hint uses, up to MAX_COPIES) and returns the best plan found within
@@ -66,17 +77,25 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    found = _solve(graph, budget, solver, time_limit, hint=hint, copies=copies, workers=workers, seed=seed,
+                   deterministic=deterministic, progress=progress, share=share)
+    return with_shares(graph, found) if share else found
+
+
+def _solve(graph: Graph, budget: int | float | str, solver: str, time_limit: float, *, hint: Schedule | None,
+           copies: int, workers: int, seed: int, deterministic: bool, progress: Progress | None,
+           share: bool) -> Solution:
     budget_bytes = resolve_budget(graph, budget)
     if budget_bytes < graph.pinned_bytes:
         raise InfeasibleBudget(budget_bytes, graph.pinned_bytes, solver, proven=True)
     unplanned = keep_all(graph)
-    if simulate(graph, unplanned).peak_bytes <= budget_bytes:
+    if simulate(graph, unplanned, share=share).peak_bytes <= budget_bytes:
         return Solution(schedule=unplanned, solver=solver, status=OPTIMAL, cost=graph.total_cost,
                         lower_bound=graph.total_cost, seconds=0.0)
     if solver in HEURISTICS:
         return heuristic(graph, budget_bytes, solver)
     if solver == "ilp":
-        return solve_milp(graph, budget_bytes, time_limit=time_limit, hint=hint, workers=workers)
+        return solve_milp(graph, budget_bytes, time_limit=time_limit, hint=hint, workers=workers, share=share)
     if solver == "lp-rounding":
         return solve_lp_rounding(graph, budget_bytes)
     started = time.perf_counter()
@@ -86,8 +105,8 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
         copies = max(copies, min(int(np.bincount(hint.node).max()), MAX_COPIES))
     remaining = max(time_limit - (time.perf_counter() - started), 1.0)
     try:
-        exact = solve_cpsat(graph, budget_bytes, time_limit=remaining, hint=hint, copies=copies,
-                            workers=workers, seed=seed, deterministic=deterministic, progress=progress)
+        exact = solve_cpsat(graph, budget_bytes, time_limit=remaining, hint=hint, copies=copies, workers=workers,
+                            seed=seed, deterministic=deterministic, progress=progress, share=share)
     except InfeasibleBudget as error:
         if seed_plan is not None:
             return replace(seed_plan, seconds=time.perf_counter() - started)
@@ -100,6 +119,4 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
         return replace(seed_plan, seconds=time.perf_counter() - started)
     if seed_plan is not None and seed_plan.cost < exact.cost:
         return replace(seed_plan, seconds=time.perf_counter() - started)
-    return Solution(schedule=exact.schedule, solver="auto" if solver == "auto" else "cpsat", status=exact.status,
-                    cost=exact.cost, lower_bound=exact.lower_bound, seconds=time.perf_counter() - started,
-                    copies=copies)
+    return replace(exact, solver="auto" if solver == "auto" else "cpsat", seconds=time.perf_counter() - started)

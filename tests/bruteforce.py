@@ -3,7 +3,9 @@
 Written from the memory-model rules alone, stage by stage: every subset of nodes a stage
 may compute, every subset of live tensors it may keep into the next stage, with each
 live tensor tracked by the storage (allocation, unit) pairs it holds. The winner is
-rebuilt as a Schedule and checked with `simulate` by the tests.
+rebuilt as a Schedule and checked with `simulate` by the tests. With `share`, an op that
+`Graph.shareable` allows writes over its input whenever every holder of that input's
+storage lets go of it at this op: the op then allocates nothing at that instant.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def _subsets(items: list[int]) -> chain:
     return chain.from_iterable(combinations(items, r) for r in range(len(items) + 1))
 
 
-def optimum(g: Graph, budget: int) -> tuple[float, Schedule] | None:
+def optimum(g: Graph, budget: int, share: bool = False) -> tuple[float, Schedule] | None:
     """(least cost, a schedule reaching it), or None when no schedule fits `budget`."""
     n = g.n
     forever = g.pinned | g.output
@@ -40,7 +42,7 @@ def optimum(g: Graph, budget: int) -> tuple[float, Schedule] | None:
                               if not forever[x[0]] and len(g.succs[x[0]])]
                 for kept in _subsets(list(range(len(candidates)))):
                     keep = {candidates[k] for k in kept} | {x for x in computed + list(live) if forever[x[0]]}
-                    peak = _stage_peak(g, live, computed, reads, keep)
+                    peak = _stage_peak(g, live, computed, reads, keep, share)
                     if peak > budget:
                         continue
                     freed = tuple((x[0], x[1], t) for x in computed + list(live) if x not in keep)
@@ -78,7 +80,7 @@ def _run_stage(g: Graph, t: int, live: Live, run: list[int]) -> tuple[list, list
     return computed, reads
 
 
-def _stage_peak(g: Graph, live: Live, computed: list, reads: list, keep: set) -> int:
+def _stage_peak(g: Graph, live: Live, computed: list, reads: list, keep: set, share: bool) -> int:
     """Highest live storage (plus workspace) at any computation of the stage."""
     last_read = {}
     for pos, inputs in enumerate(reads):
@@ -91,6 +93,19 @@ def _stage_peak(g: Graph, live: Live, computed: list, reads: list, keep: set) ->
     for pos, x in enumerate(computed):
         holding.add(x)
         keys = set().union(*(h[2] for h in holding))
-        peak = max(peak, sum(int(g.unit_size[u]) for _, u in keys) + int(g.workspace[x[0]]))
+        taken = _taken_over(g, x, reads[pos], holding, keep, last_read, pos) if share else set()
+        peak = max(peak, sum(int(g.unit_size[u]) for _, u in keys - taken) + int(g.workspace[x[0]]))
         holding -= {h for h in holding if h not in keep and last_read[h] == pos}
     return peak
+
+
+def _taken_over(g: Graph, x: tuple, inputs: list, holding: set, keep: set, last_read: dict, pos: int) -> set:
+    """The storage keys computation x writes over instead of allocating its own (none
+    when some other holder still needs them)."""
+    source = int(g.shareable[x[0]])
+    if source < 0:
+        return set()
+    (read,) = [h for h in inputs if h[0] == source]
+    if any(h[2] & read[2] and (h in keep or last_read[h] != pos) for h in holding if h != x):
+        return set()
+    return set(x[2])

@@ -8,9 +8,10 @@ from optremat import Graph
 
 
 @st.composite
-def graphs(draw: st.DrawFn, max_nodes: int = 12, shared_storage: bool = True) -> Graph:
+def graphs(draw: st.DrawFn, max_nodes: int = 12, shared_storage: bool = True, typed: bool = False) -> Graph:
     """A random DAG with params, outputs and, with `shared_storage`, plain aliases and
-    multi-output parts."""
+    multi-output parts; `typed` gives ops few sizes, tensor types and pointwise flags,
+    so that many may write over an input (`Graph.shareable`)."""
     params = draw(st.integers(0, 2))
     ops = draw(st.integers(1, max_nodes))
     n = params + ops
@@ -18,9 +19,9 @@ def graphs(draw: st.DrawFn, max_nodes: int = 12, shared_storage: bool = True) ->
     alias_of = [-1] * n
     size = [draw(st.integers(1, 64)) for _ in range(params)]
     for v in range(params, n):
-        preds = draw(st.sets(st.integers(0, v - 1), max_size=3)) if v > 0 else set()
+        preds = draw(st.sets(st.integers(0, v - 1), min_size=int(typed), max_size=3)) if v > 0 else set()
         edges.update((p, v) for p in preds)
-        size.append(draw(st.integers(0, 64)))
+        size.append(draw(st.sampled_from([8, 8, 16]) if typed else st.integers(0, 64)))
         candidates = sorted(p for p in preds if alias_of[p] < 0 and p >= params)
         if shared_storage and candidates and draw(st.integers(0, 3)) == 0:
             base = draw(st.sampled_from(candidates))
@@ -31,8 +32,10 @@ def graphs(draw: st.DrawFn, max_nodes: int = 12, shared_storage: bool = True) ->
     cost = [0.0] * params + [float(draw(st.integers(1, 9))) for _ in range(ops)]
     output = [False] * params + [draw(st.integers(0, 4)) == 0 for _ in range(ops)]
     workspace = [0] * params + [draw(st.sampled_from([0, 0, 0, 8])) for _ in range(ops)]
+    fusible = [False] * params + [typed and draw(st.integers(0, 3)) > 0 for _ in range(ops)]
     return Graph.build(cost=cost, size=size, edges=edges, alias_of=alias_of, output=output,
-                       kind=["param"] * params + ["op"] * ops, workspace=workspace)
+                       kind=["param"] * params + ["op"] * ops, workspace=workspace, fusible=fusible,
+                       tensor=[f"f32[{s}]" if typed else "" for s in size])
 
 
 def training_chain(costs: list[float], sizes: list[int]) -> Graph:

@@ -60,6 +60,26 @@ def test_plan_a_graph_file_within_budget(tmp_path):
     assert simulate(chain, schedule).peak_bytes == report["peak_bytes"]
 
 
+def test_plan_a_graph_file_with_shares(tmp_path):
+    from optremat import Graph, Schedule, simulate
+
+    assert run("graph", "--model", "rnn-tiny", "--save", str(tmp_path / "g.json")).returncode == 0
+    graph = Graph.load(tmp_path / "g.json")
+    reports = []
+    for extra in ([], ["--share"]):
+        result = run("plan", "--graph", str(tmp_path / "g.json"), "--budget", "0.9", "--time-limit", "10",
+                     "--workers", "1", "--save", str(tmp_path / "s.json"), "--json", *extra)
+        assert result.returncode == 0, result.stderr
+        reports.append(json.loads(result.stdout))
+    plain, shared = reports
+    assert plain["shared"] == 0 and shared["shared"] > 0 and shared["overhead"] < plain["overhead"]
+    saved = json.loads((tmp_path / "s.json").read_text())
+    result = simulate(graph, Schedule.from_json(saved), share=frozenset(k for k, _ in saved["shared"]))
+    assert result.peak_bytes == shared["peak_bytes"] <= shared["budget_bytes"]
+    refused = run("plan", "--model", "mlp-tiny", "--budget", "0.9", "--share")
+    assert refused.returncode == 2 and "--share is for --graph files" in refused.stderr
+
+
 def test_plan_exit_codes_for_bad_and_infeasible_budgets(tmp_path):
     from tests.dags import training_chain
 

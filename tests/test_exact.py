@@ -13,19 +13,20 @@ from tests.dags import graphs, training_chain
 EXHAUSTIVE = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 
 
-def check_against_brute_force(g: Graph, fraction: float, solve) -> None:
+def check_against_brute_force(g: Graph, fraction: float, solve, share: bool = False) -> None:
     budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
-    best = optimum(g, budget)
+    best = optimum(g, budget, share)
     if best is None:
         with pytest.raises(InfeasibleBudget) as error:
             solve(g, budget)
         assert error.value.smallest > budget
         return
     solution = solve(g, budget)
-    result = simulate(g, solution.schedule)
-    assert result.peak_bytes <= budget
+    result = simulate(g, solution.schedule, share=frozenset(solution.shared))
+    assert result.peak_bytes <= budget and result.shared == solution.shared
     assert solution.cost == pytest.approx(best[0], abs=1e-9)
-    assert simulate(g, best[1]).peak_bytes <= budget and simulate(g, best[1]).cost == pytest.approx(best[0])
+    again = simulate(g, best[1], share=share)
+    assert again.peak_bytes <= budget and again.cost == pytest.approx(best[0])
 
 
 @EXHAUSTIVE
@@ -35,9 +36,37 @@ def test_cpsat_matches_brute_force_with_shared_storage(g, fraction):
 
 
 @EXHAUSTIVE
+@given(graphs(max_nodes=8, typed=True), st.floats(0.3, 1.0))
+def test_cpsat_with_share_matches_brute_force(g, fraction):
+    check_against_brute_force(g, fraction, lambda g, b: solve_cpsat(g, b, copies=g.n, time_limit=30, workers=1,
+                                                                      share=True), share=True)
+
+
+@EXHAUSTIVE
 @given(graphs(max_nodes=8, shared_storage=False), st.floats(0.3, 1.0))
 def test_milp_matches_brute_force_without_shared_storage(g, fraction):
     check_against_brute_force(g, fraction, lambda g, b: solve_milp(g, b, time_limit=30))
+
+
+@EXHAUSTIVE
+@given(graphs(max_nodes=8, shared_storage=False, typed=True), st.floats(0.3, 1.0))
+def test_milp_with_share_matches_brute_force(g, fraction):
+    check_against_brute_force(g, fraction, lambda g, b: solve_milp(g, b, time_limit=30, share=True), share=True)
+
+
+def test_a_budget_only_sharing_reaches():
+    # x -> a -> b with b pointwise over a: computing b holds x, a and b (24 bytes) unless
+    # b writes over a, which dies there.
+    g = Graph.build(cost=[0.0, 1.0, 1.0], size=[8, 8, 8], edges=[(0, 1), (1, 2)], kind=["input", "op", "op"],
+                    output=[False, False, True], fusible=[False, False, True], tensor=["f32[2]"] * 3)
+    assert g.shareable.tolist() == [-1, -1, 1]
+    for planner in (solve_cpsat, solve_milp):
+        with pytest.raises(InfeasibleBudget) as error:
+            planner(g, 16)
+        assert error.value.smallest == 24
+        solution = planner(g, 16, share=True)
+        assert solution.shared == {2: 1} and solution.cost == g.total_cost
+        assert simulate(g, solution.schedule, share=frozenset(solution.shared)).peak_bytes == 16
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))

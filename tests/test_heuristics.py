@@ -87,3 +87,23 @@ def test_mirroring_recomputes_a_cheap_op_whose_input_is_stored_anyway():
                      output=[False] * 6 + [True])
     assert mirror_path(g2)[4] and not mirror_path(g2, max_cost=0.5)[4]
     assert np.array_equal(mirror_path(g), mirror_path(g, max_cost=np.inf))
+
+
+def _layered_dag(layers: int, width: int, seed: int = 0) -> Graph:
+    """A forward-only random layered DAG (no backward flags), like the published ones."""
+    rng = np.random.default_rng(seed)
+    n = layers * width
+    edges = {(v - width + int(rng.integers(width)), v) for v in range(width, n)}
+    edges |= {(int(rng.integers(v)), v) for v in range(width, n) for _ in range(2)}
+    return Graph.build(cost=rng.uniform(1, 10, n).tolist(), size=rng.integers(10, 100, n).tolist(), edges=edges)
+
+
+def test_lifetime_splitting_plans_a_dag_without_backward_and_seeds_auto():
+    g = _layered_dag(12, 5)
+    budget = int(simulate(g, keep_all(g)).peak_bytes * 0.8)
+    with pytest.raises(InfeasibleBudget):
+        HEURISTICS["chen"](g, budget)
+    split = solve(g, budget, solver="split")
+    assert simulate(g, split.schedule).peak_bytes <= budget and 0 < split.cost / g.total_cost - 1 < 0.5
+    auto = solve(g, budget, solver="auto", time_limit=5, workers=1)
+    assert simulate(g, auto.schedule).peak_bytes <= budget and auto.cost <= split.cost

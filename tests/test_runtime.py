@@ -301,6 +301,30 @@ def test_exact_runtime_runs_a_schedule_that_recomputes_twice_at_the_simulated_pe
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
 
 
+def test_shares_the_solver_chooses_run_exactly_at_the_simulated_peak() -> None:
+    model, inputs, loss_fn = deep_mlp()
+    traced = trace(model, inputs)
+    graph = traced.graph
+    budget = int(optremat.simulate(graph, optremat.keep_all(graph)).peak_bytes * 0.95)
+    plain = optremat.solve(graph, budget, "cpsat", time_limit=30)
+    shared = optremat.solve(graph, budget, "cpsat", time_limit=30, share=True)
+    assert plain.status == shared.status == "OPTIMAL" and shared.cost < plain.cost
+    program = exact_program(model, traced, inputs, graph, shared.schedule, shared.shared)
+    params = dict(model.named_parameters())
+
+    def step() -> tuple:
+        out = program.run(list(params), list(params.values()) + list(inputs))
+        return torch.autograd.grad(loss_fn(out), list(params.values()))
+
+    want = torch.autograd.grad(loss_fn(model(*inputs)), list(params.values()))
+    for got, expected in zip(step(), want):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
+    predicted = optremat.simulate(graph, shared.schedule, share=frozenset(shared.shared)).peak_bytes
+    assert predicted <= budget
+    measured = measure_peak(step, resident=[list(params.values()), inputs]).peak_bytes
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
+
+
 def test_reordered_exact_plan_runs_at_its_predicted_peak() -> None:
     model, inputs, loss_fn = MODELS["resnet-tiny"]()
     model, inputs = model.float(), tuple(x.float() for x in inputs)

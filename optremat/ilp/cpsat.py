@@ -5,12 +5,18 @@ later stages. A computation in stage s of node v happens at time s·n + v (stage
 their nodes in index order, as the simulator does); its output lives from then until
 its last use, a variable end. Every read picks a copy of the input that is live at the
 reader's time. Memory is one cumulative constraint over the storage intervals, so the
-model has O(n·copies) intervals instead of Checkmate's O(n²) variables.
+model has O(n·copies) intervals instead of Checkmate's O(n²) variables. Outputs live
+to time n², one past the last computation, so nothing can take their storage over.
 
 Storage is modelled exactly as `simulate` counts it: a view keeps its base's storage
 alive (the base copy's storage ends no earlier than any alias read from it), and each
 output of a multi-output op holds its own bytes from the op's computation until the
 op and every reader-held alias of that part have died.
+
+With `share`, a pointwise op may write over the input `Graph.shareable` names (when that
+input owns its storage outright): a boolean per pair of copies that may only be true
+when the reader's copy is the last holder of the input's storage, and that ends the
+input's interval one instant early, so the two never count together.
 """
 
 from __future__ import annotations
@@ -54,17 +60,20 @@ class _Copy:
 class _IntervalModel:
     """The CP-SAT model of one graph; memory capacity is a constant or a variable."""
 
-    def __init__(self, graph: Graph, copies: int, capacity: int | None) -> None:
+    def __init__(self, graph: Graph, copies: int, capacity: int | None, share: bool = False) -> None:
         self.graph = graph
         n = graph.n
-        self.horizon = n * n
+        self.horizon = n * n + 1
         self.model = cp_model.CpModel()
         self.scale = cost_scale(graph)
         self.copies: list[list[_Copy]] = [[] for _ in range(n)]
         self.uses: dict[tuple[int, int, int, int], cp_model.IntVar] = {}
+        self.shares: dict[tuple[int, int, int, int], cp_model.IntVar] = {}
         self._add_copies(copies)
         self._add_reads()
         self._add_storage()
+        if share:
+            self._add_shares()
         resident = graph.pinned_bytes
         if capacity is None:
             self.capacity = self.model.new_int_var(0, int(graph.size.sum() + graph.workspace.max(initial=0)), "capacity")
@@ -151,22 +160,48 @@ class _IntervalModel:
             for d, alias in enumerate(self.copies[a]):
                 self.model.add(end >= alias.storage_end).only_enforce_if(self.uses[x, c, a, d])
 
+    def _add_shares(self) -> None:
+        """Share variables (source node, source copy, op, op copy) for every op that may
+        write over an input owning its storage."""
+        g, m = self.graph, self.model
+        for k in np.nonzero(g.shareable >= 0)[0].tolist():
+            p = int(g.shareable[k])
+            if g.alias_of[p] >= 0 or g.pinned[p]:
+                continue
+            for d, reader in enumerate(self.copies[k]):
+                for c, source in enumerate(self.copies[p]):
+                    z = m.new_bool_var(f"z{p}_{c}_{k}_{d}")
+                    m.add_implication(z, self.uses[p, c, k, d])
+                    if reader.present is not True:
+                        m.add_implication(z, reader.present)
+                    m.add(source.storage_end == reader.start).only_enforce_if(z)
+                    self.shares[p, c, k, d] = z
+
     def _add_memory(self) -> None:
         g, m = self.graph, self.model
         intervals, demands = [], []
         self.lengths: list[tuple[cp_model.IntVar, _Copy, cp_model.IntVar]] = []
+        self.stops: list[tuple[cp_model.IntVar, cp_model.IntVar]] = []
+        handed_over: dict[tuple[int, int], list[cp_model.IntVar]] = {}
+        for (p, c, _, _), z in self.shares.items():
+            handed_over.setdefault((p, c), []).append(z)
 
-        def interval(copy: _Copy, end: cp_model.IntVar, name: str) -> cp_model.IntervalVar:
+        def interval(copy: _Copy, end: cp_model.IntVar, name: str, early: list[cp_model.IntVar] = ()) -> cp_model.IntervalVar:
             size = m.new_int_var(1, self.horizon, f"len_{name}")
             self.lengths.append((size, copy, end))
+            stop = end + 1
+            if early:
+                stop = m.new_int_var(1, self.horizon, f"stop_{name}")
+                m.add(stop == end + 1 - sum(early))
+                self.stops.append((stop, end))
             if copy.present is True:
-                return m.new_interval_var(copy.start, size, end + 1, name)
-            return m.new_optional_interval_var(copy.start, size, end + 1, copy.present, name)
+                return m.new_interval_var(copy.start, size, stop, name)
+            return m.new_optional_interval_var(copy.start, size, stop, copy.present, name)
 
         for v in range(g.n):
             for c, copy in enumerate(self.copies[v]):
                 if g.alias_of[v] < 0 and g.unit_size[v] > 0:
-                    intervals.append(interval(copy, copy.storage_end, f"mem{v}_{c}"))
+                    intervals.append(interval(copy, copy.storage_end, f"mem{v}_{c}", handed_over.get((v, c), [])))
                     demands.append(int(g.unit_size[v]))
                 for p, end in copy.part_end.items():
                     intervals.append(interval(copy, end, f"part{p}_{c}"))
@@ -229,14 +264,24 @@ class _IntervalModel:
                     m.add_hint(var, value[var.index])
         for key, y in self.uses.items():
             m.add_hint(y, key in serving)
+        for z in self.shares.values():
+            m.add_hint(z, False)
         for size, copy, end in self.lengths:
             m.add_hint(size, value[end.index] + 1 - starts[id(copy)])
+        for stop, end in self.stops:
+            m.add_hint(stop, value[end.index] + 1)
 
     def schedule(self, solver: cp_model.CpSolver) -> Schedule:
         """The solution as a schedule; each copy lives until the last read it serves."""
         return from_computations(self.graph, [
             (v, int(solver.value(copy.stage))) for v in range(self.graph.n) for copy in self.copies[v][1:]
             if solver.boolean_value(copy.present)])
+
+    def shared(self, solver: cp_model.CpSolver, schedule: Schedule) -> dict[int, int]:
+        """The solution's shares as `SimResult.shared` maps them: event index -> input node."""
+        index = {(int(i), int(s)): e for e, (i, s) in enumerate(zip(schedule.node, schedule.stage))}
+        return {index[k, int(solver.value(self.copies[k][d].stage))]: p
+                for (p, _, k, d), z in self.shares.items() if solver.boolean_value(z)}
 
 
 PRESOLVE_LIMIT = 1000
@@ -270,15 +315,16 @@ class _Reporter(cp_model.CpSolverSolutionCallback):
 
 def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Schedule | None = None,
                 copies: int = 2, workers: int = 0, seed: int = 0, deterministic: bool = False,
-                progress: Progress | None = None) -> Solution:
-    """The least-cost schedule whose simulated peak is at most `budget` bytes.
+                progress: Progress | None = None, share: bool = False) -> Solution:
+    """The least-cost schedule whose simulated peak is at most `budget` bytes; with
+    `share`, ops may also write over inputs they are the last to hold (`Solution.shared`).
 
     Raises InfeasibleBudget when the model proves no schedule fits (with the smallest
     feasible budget, found by `min_peak_cpsat`), or TimeoutError when the time limit
     passes with no plan found and no proof either way.
     """
     started = time.perf_counter()
-    model = _IntervalModel(graph, copies, budget)
+    model = _IntervalModel(graph, copies, budget, share)
     if model.capacity < 0:
         raise InfeasibleBudget(budget, graph.pinned_bytes, "cpsat", proven=True)
     model.model.minimize(model.extra_cost)
@@ -292,24 +338,25 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"cpsat rejected the model: {model.model.validate()}")
     if status == cp_model.INFEASIBLE:
-        raise infeasible(graph, budget, "cpsat", time_limit, copies=copies)
+        raise infeasible(graph, budget, "cpsat", time_limit, copies=copies, share=share)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise TimeoutError(f"cpsat found no plan within {time_limit:g} s and proved none impossible "
                            f"({solver.status_name(status)}); allow more time or a larger budget")
     schedule = model.schedule(solver)
+    shared = model.shared(solver, schedule)
     bound = graph.total_cost + solver.best_objective_bound / model.scale
     return Solution(schedule=schedule, solver="cpsat", status=OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE,
-                    cost=simulate(graph, schedule).cost, lower_bound=bound,
-                    seconds=time.perf_counter() - started, copies=copies)
+                    cost=simulate(graph, schedule, share=frozenset(shared)).cost, lower_bound=bound,
+                    seconds=time.perf_counter() - started, copies=copies, shared=shared)
 
 
 def min_peak_cpsat(graph: Graph, *, max_overhead: float | None = None, time_limit: float = 30.0,
                    copies: int = 2, workers: int = 0, seed: int = 0, deterministic: bool = False,
-                   hint: Schedule | None = None) -> Solution:
+                   hint: Schedule | None = None, share: bool = False) -> Solution:
     """The schedule with the least peak memory whose overhead is at most `max_overhead`
     (unbounded when None). `lower_bound` is then a proven bound on the peak in bytes."""
     started = time.perf_counter()
-    model = _IntervalModel(graph, copies, None)
+    model = _IntervalModel(graph, copies, None, share)
     if max_overhead is not None:
         model.model.add(model.extra_cost <= int(max_overhead * graph.total_cost * model.scale))
     model.model.minimize(model.capacity)
@@ -321,17 +368,20 @@ def min_peak_cpsat(graph: Graph, *, max_overhead: float | None = None, time_limi
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise TimeoutError(f"cpsat found no plan within {time_limit:g} s ({solver.status_name(status)})")
     schedule = model.schedule(solver)
+    shared = model.shared(solver, schedule)
     return Solution(schedule=schedule, solver="cpsat-min-peak",
                     status=OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE,
-                    cost=simulate(graph, schedule).cost,
+                    cost=simulate(graph, schedule, share=frozenset(shared)).cost, shared=shared,
                     lower_bound=graph.pinned_bytes + solver.best_objective_bound,
                     seconds=time.perf_counter() - started, copies=copies)
 
 
-def infeasible(graph: Graph, budget: int, planner: str, time_limit: float, copies: int = 2) -> InfeasibleBudget:
+def infeasible(graph: Graph, budget: int, planner: str, time_limit: float, copies: int = 2,
+               share: bool = False) -> InfeasibleBudget:
     """The error for a budget below what any plan reaches, naming the smallest feasible
     budget the peak-minimising model finds (proven when it solves to optimality)."""
-    smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies)
-    return InfeasibleBudget(budget, simulate(graph, smallest.schedule).peak_bytes, planner,
+    smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies, share=share)
+    peak = simulate(graph, smallest.schedule, share=frozenset(smallest.shared)).peak_bytes
+    return InfeasibleBudget(budget, peak, planner,
                             proven=smallest.status == OPTIMAL,
                             scope=f" (plans computing each node at most {copies} times)")

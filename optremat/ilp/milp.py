@@ -7,6 +7,10 @@ node a stage). Memory is counted per node: a node holds the bytes of every stora
 it can keep alive, so where views or multi-output ops share storage the model counts
 it more than once and is conservative; on graphs where each node owns its output it
 prices exactly what `simulate` does.
+
+With `share`, Z[t,k] lets op k write over the input `Graph.shareable` names when that
+input owns its storage outright, has no views, and is freed right after k in stage t:
+k then allocates nothing and the input's bytes pass to k instead of being freed.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ class _Checkmate:
     solver: pywraplp.Solver
     R: dict[tuple[int, int], pywraplp.Variable]
     S: dict[tuple[int, int], pywraplp.Variable]
+    Z: dict[tuple[int, int], pywraplp.Variable]
 
 
-def _model(graph: Graph, budget: int, backend: str, integral: bool) -> _Checkmate:
+def _model(graph: Graph, budget: int, backend: str, integral: bool, share: bool = False) -> _Checkmate:
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise ValueError(f"OR-Tools has no {backend} backend here; choose one of {BACKENDS}")
@@ -57,35 +62,43 @@ def _model(graph: Graph, budget: int, backend: str, integral: bool) -> _Checkmat
                 for j in graph.preds[i].tolist():
                     if not graph.pinned[j]:
                         solver.Add(R[t, i] <= R[t, j] + (S[t, j] if j < t else 0))
+    viewed = set(graph.alias_of[graph.alias_of >= 0].tolist())
+    source = [int(p) if p >= 0 and graph.alias_of[p] < 0 and p not in viewed else -1 for p in graph.shareable] \
+        if share else [-1] * n
+    Z = {}
     for t in range(n):
         memory = solver.Sum([int(size[i]) * S[t, i] for i in ops if i < t])
         for k in ops:
             if k > t:
                 break
-            allocated = memory + int(size[k]) * R[t, k]
-            solver.Add(allocated + int(graph.workspace[k]) * R[t, k] <= capacity)
-            freed = []
+            free = {}
             for i in set(graph.preds[k].tolist()) | {k}:
                 if graph.pinned[i] or graph.output[i]:
                     continue
                 later = [R[t, j] for j in graph.succs[i].tolist() if k < j <= t]
                 hazards = [1 - R[t, k]] + ([S[t + 1, i]] if t + 1 < n else []) + later
-                free = new(f"F{t}_{i}_{k}")
-                solver.Add(len(hazards) * free + solver.Sum(hazards) <= len(hazards))
-                freed.append(int(size[i]) * free)
-            memory = allocated - solver.Sum(freed)
+                free[i] = new(f"F{t}_{i}_{k}")
+                solver.Add(len(hazards) * free[i] + solver.Sum(hazards) <= len(hazards))
+            taken = 0
+            if source[k] in free:
+                taken = Z[t, k] = new(f"Z{t}_{k}")
+                solver.Add(taken <= free[source[k]])
+            allocated = memory + int(size[k]) * (R[t, k] - taken)
+            solver.Add(allocated + int(graph.workspace[k]) * R[t, k] <= capacity)
+            memory = allocated - solver.Sum([int(size[i]) * f for i, f in free.items()]) + int(size[k]) * taken
     solver.Minimize(solver.Sum([float(graph.cost[i]) * r for (_, i), r in R.items()]))
-    return _Checkmate(solver, R, S)
+    return _Checkmate(solver, R, S, Z)
 
 
 def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Schedule | None = None,
-               backend: str = "SCIP", workers: int = 0) -> Solution:
+               backend: str = "SCIP", workers: int = 0, share: bool = False) -> Solution:
     """Checkmate's optimal schedule under `budget` bytes (see the module docstring for
-    how shared storage is counted). Raises InfeasibleBudget or TimeoutError like cpsat."""
+    how shared storage is counted), with in-place shares as decisions when `share`.
+    Raises InfeasibleBudget or TimeoutError like cpsat."""
     started = time.perf_counter()
     if budget < graph.pinned_bytes:
         raise InfeasibleBudget(budget, graph.pinned_bytes, "ilp", proven=True)
-    model = _model(graph, budget, backend, integral=True)
+    model = _model(graph, budget, backend, integral=True, share=share)
     solver = model.solver
     solver.SetTimeLimit(int(time_limit * 1000))
     if workers:
@@ -95,13 +108,15 @@ def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sch
         solver.SetHint(list(model.R.values()), [float(key in computed) for key in model.R])
     status = solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
-        raise infeasible(graph, budget, "ilp", time_limit)
+        raise infeasible(graph, budget, "ilp", time_limit, share=share)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise TimeoutError(f"ilp ({backend}) found no plan within {time_limit:g} s; allow more time or a larger budget")
     schedule = from_computations(graph, [(i, t) for (t, i), r in model.R.items() if t != i and r.solution_value() > 0.5])
+    index = {(int(i), int(s)): e for e, (i, s) in enumerate(zip(schedule.node, schedule.stage))}
+    shared = {index[k, t]: int(graph.shareable[k]) for (t, k), z in model.Z.items() if z.solution_value() > 0.5}
     return Solution(schedule=schedule, solver="ilp", status=OPTIMAL if status == pywraplp.Solver.OPTIMAL else FEASIBLE,
-                    cost=simulate(graph, schedule).cost, lower_bound=solver.Objective().BestBound(),
-                    seconds=time.perf_counter() - started)
+                    cost=simulate(graph, schedule, share=frozenset(shared)).cost,
+                    lower_bound=solver.Objective().BestBound(), seconds=time.perf_counter() - started, shared=shared)
 
 
 def solve_lp_rounding(graph: Graph, budget: int, *, backend: str = "GLOP", thresholds: int = 20) -> Solution:
