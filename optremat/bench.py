@@ -30,7 +30,7 @@ from optremat.plan import plan
 from optremat.runtime.checkpoint import apply
 from optremat.runtime.measure import measure_peak
 from optremat.schedule import keep_all, simulate
-from optremat.solve import solve
+from optremat.solve import HEURISTICS, solve
 
 Step = Callable[[], Any]
 Report = Callable[["Measured"], None]
@@ -223,7 +223,7 @@ class Simulated:
         return self.note or f"{self.overhead:.1%} ({self.seconds:.1f} s)"
 
 
-PLANNERS = ("chen", "greedy", "benefit", "mirror", "dtr", "dp", "lp-rounding", "auto")
+PLANNERS = tuple(HEURISTICS) + ("lp-rounding", "auto")
 LP_NODES = 150
 """Largest coarse graph the LP relaxation is tried on (it has O(n²) variables)."""
 
