@@ -8,13 +8,14 @@ from typing import Callable
 
 import numpy as np
 
+from optremat.bounds import recompute_lower_bound
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.graph import Graph
 from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror, split_lifetimes
 from optremat.ilp.cpsat import Progress, solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
 from optremat.schedule import Schedule, keep_all, simulate
-from optremat.solution import HEURISTIC, OPTIMAL, Solution
+from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Solution
 
 HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
     "chen": chen_sqrt,
@@ -71,7 +72,8 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
     `auto` runs the heuristics, hands the best to CP-SAT as a hint (raising `copies` to
     what the hint uses, up to MAX_COPIES) and returns the best plan found within
     `time_limit`, never worse than the hint (a hint beyond the model's copies that still
-    wins is returned as it is, with no bound claimed). Every returned schedule
+    wins is returned with `recompute_lower_bound`'s bound alone, which holds for every
+    plan). Every returned schedule
     has a simulated peak within budget; an impossible budget raises InfeasibleBudget
     naming the smallest feasible one.
     """
@@ -118,5 +120,11 @@ def _solve(graph: Graph, budget: int | float | str, solver: str, time_limit: flo
             raise
         return replace(seed_plan, seconds=time.perf_counter() - started)
     if seed_plan is not None and seed_plan.cost < exact.cost:
-        return replace(seed_plan, seconds=time.perf_counter() - started)
+        if np.bincount(seed_plan.schedule.node).max() <= copies:
+            bound = exact.lower_bound
+        else:
+            bound = None if share else graph.total_cost + recompute_lower_bound(graph, budget_bytes)
+        optimal = bound is not None and seed_plan.cost <= bound + 1e-9 * graph.total_cost
+        return replace(seed_plan, seconds=time.perf_counter() - started, lower_bound=bound,
+                       status=OPTIMAL if optimal else HEURISTIC if bound is None else FEASIBLE)
     return replace(exact, solver="auto" if solver == "auto" else "cpsat", seconds=time.perf_counter() - started)

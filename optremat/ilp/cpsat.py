@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
+from optremat.bounds import tighten
 from optremat.budget import InfeasibleBudget
 from optremat.graph import Graph
 from optremat.schedule import Schedule, from_computations, simulate
@@ -358,10 +359,12 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
                            f"({solver.status_name(status)}); allow more time or a larger budget")
     schedule = model.schedule(solver)
     shared = model.shared(solver, schedule)
-    bound = graph.total_cost + solver.best_objective_bound / model.scale
-    return Solution(schedule=schedule, solver="cpsat", status=OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE,
-                    cost=simulate(graph, schedule, share=frozenset(shared)).cost, lower_bound=bound,
-                    seconds=time.perf_counter() - started, copies=copies, shared=shared)
+    cost = simulate(graph, schedule, share=frozenset(shared)).cost
+    bound, optimal = graph.total_cost + solver.best_objective_bound / model.scale, status == cp_model.OPTIMAL
+    if not share:
+        bound, optimal = tighten(graph, budget, cost, bound, optimal)
+    return Solution(schedule=schedule, solver="cpsat", status=OPTIMAL if optimal else FEASIBLE, cost=cost,
+                    lower_bound=bound, seconds=time.perf_counter() - started, copies=copies, shared=shared)
 
 
 def min_peak_cpsat(graph: Graph, *, max_overhead: float | None = None, time_limit: float = 30.0,

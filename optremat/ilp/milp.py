@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
+from optremat.bounds import tighten
 from optremat.budget import InfeasibleBudget
 from optremat.ilp.cpsat import infeasible
 from optremat.graph import Graph
@@ -114,9 +115,12 @@ def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sch
     schedule = from_computations(graph, [(i, t) for (t, i), r in model.R.items() if t != i and r.solution_value() > 0.5])
     index = {(int(i), int(s)): e for e, (i, s) in enumerate(zip(schedule.node, schedule.stage))}
     shared = {index[k, t]: int(graph.shareable[k]) for (t, k), z in model.Z.items() if z.solution_value() > 0.5}
-    return Solution(schedule=schedule, solver="ilp", status=OPTIMAL if status == pywraplp.Solver.OPTIMAL else FEASIBLE,
-                    cost=simulate(graph, schedule, share=frozenset(shared)).cost,
-                    lower_bound=solver.Objective().BestBound(), seconds=time.perf_counter() - started, shared=shared)
+    cost = simulate(graph, schedule, share=frozenset(shared)).cost
+    bound, optimal = solver.Objective().BestBound(), status == pywraplp.Solver.OPTIMAL
+    if not share:
+        bound, optimal = tighten(graph, budget, cost, bound, optimal)
+    return Solution(schedule=schedule, solver="ilp", status=OPTIMAL if optimal else FEASIBLE, cost=cost,
+                    lower_bound=bound, seconds=time.perf_counter() - started, shared=shared)
 
 
 def solve_lp_rounding(graph: Graph, budget: int, *, backend: str = "GLOP", thresholds: int = 20) -> Solution:

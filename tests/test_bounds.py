@@ -1,0 +1,33 @@
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optremat import keep_all, simulate
+from optremat.bounds import recompute_lower_bound
+from tests.bruteforce import optimum
+from tests.dags import graphs, training_chain
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graphs(max_nodes=8), st.floats(0.2, 1.0))
+def test_the_bound_never_exceeds_the_optimum(g, fraction):
+    budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
+    bound = recompute_lower_bound(g, budget)
+    best = optimum(g, budget)
+    if best is None:
+        return
+    assert bound <= best[0] - g.total_cost + 1e-9
+
+
+def test_the_bound_is_zero_when_everything_fits_and_grows_as_the_budget_shrinks():
+    chain = training_chain([1.0] * 10, [8] * 10)
+    peak = simulate(chain, keep_all(chain)).peak_bytes
+    assert recompute_lower_bound(chain, peak) == 0.0
+    bounds = [recompute_lower_bound(chain, int(peak * f)) for f in (0.9, 0.7, 0.5)]
+    assert 0 < bounds[0] < bounds[1] < bounds[2] < float("inf")
+
+
+def test_an_instant_that_cannot_fit_gives_an_infinite_bound():
+    chain = training_chain([1.0] * 4, [8] * 4)
+    assert recompute_lower_bound(chain, 8) == float("inf")
+    assert optimum(chain, 8) is None
