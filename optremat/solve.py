@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from optremat.bounds import recompute_lower_bound
+from optremat.ilp.bounds import recompute_lower_bound
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.graph import Graph
 from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror, split_lifetimes

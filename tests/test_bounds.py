@@ -1,9 +1,8 @@
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optremat import keep_all, simulate
-from optremat.bounds import recompute_lower_bound
+from optremat.ilp.bounds import recompute_lower_bound
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
 

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from optremat.bounds import tighten
+from optremat.ilp.bounds import tighten
 from optremat.budget import InfeasibleBudget
 from optremat.graph import Graph
 from optremat.schedule import Schedule, from_computations, simulate

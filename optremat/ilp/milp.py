@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from optremat.bounds import tighten
+from optremat.ilp.bounds import tighten
 from optremat.budget import InfeasibleBudget
 from optremat.ilp.cpsat import infeasible
 from optremat.graph import Graph
