@@ -24,6 +24,8 @@ from optremat.graph import Graph
 LP_NONZEROS = 2_000_000
 """Covering LPs larger than this are replaced by their strongest single row (the bound
 of the worst instant alone), which needs no solver."""
+LP_SECONDS = 5.0
+"""GLOP's limit; an LP it does not solve in time leaves the single-row bound."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def _covering_lp(found: _Rows) -> float:
     """The covering LP's optimum with GLOP, shaded by its tolerance so it stays a bound;
     0 when GLOP does not solve it."""
     solver = pywraplp.Solver.CreateSolver("GLOP")
+    solver.SetTimeLimit(int(LP_SECONDS * 1000))
     used = np.unique(np.concatenate([units for units, _ in found.rows]))
     unit_cost = found.cost_per_byte * found.size
     scale = float(unit_cost[used].sum()) or 1.0
