@@ -106,25 +106,27 @@ def _solve(graph: Graph, budget: int | float | str, solver: str, time_limit: flo
         hint = seed_plan.schedule
         copies = max(copies, min(int(np.bincount(hint.node).max()), MAX_COPIES))
     remaining = max(time_limit - (time.perf_counter() - started), 1.0)
+    def fallback(bound: float | None = None) -> Solution:
+        """The seed plan, with `bound` if it holds for it, else the bound every plan obeys."""
+        if bound is None and not share:
+            bound = graph.total_cost + recompute_lower_bound(graph, budget_bytes)
+        optimal = bound is not None and seed_plan.cost <= bound + 1e-9 * graph.total_cost
+        return replace(seed_plan, seconds=time.perf_counter() - started, lower_bound=bound,
+                       status=OPTIMAL if optimal else HEURISTIC if bound is None else FEASIBLE)
+
     try:
         exact = solve_cpsat(graph, budget_bytes, time_limit=remaining, hint=hint, copies=copies, workers=workers,
                             seed=seed, deterministic=deterministic, progress=progress, share=share)
     except InfeasibleBudget as error:
         if seed_plan is not None:
-            return replace(seed_plan, seconds=time.perf_counter() - started)
+            return fallback()
         if heuristic_smallest is not None and heuristic_smallest < error.smallest:
             raise InfeasibleBudget(budget_bytes, heuristic_smallest, solver) from None
         raise
     except TimeoutError:
         if seed_plan is None:
             raise
-        return replace(seed_plan, seconds=time.perf_counter() - started)
+        return fallback()
     if seed_plan is not None and seed_plan.cost < exact.cost:
-        if np.bincount(seed_plan.schedule.node).max() <= copies:
-            bound = exact.lower_bound
-        else:
-            bound = None if share else graph.total_cost + recompute_lower_bound(graph, budget_bytes)
-        optimal = bound is not None and seed_plan.cost <= bound + 1e-9 * graph.total_cost
-        return replace(seed_plan, seconds=time.perf_counter() - started, lower_bound=bound,
-                       status=OPTIMAL if optimal else HEURISTIC if bound is None else FEASIBLE)
+        return fallback(exact.lower_bound if np.bincount(seed_plan.schedule.node).max() <= copies else None)
     return replace(exact, solver="auto" if solver == "auto" else "cpsat", seconds=time.perf_counter() - started)

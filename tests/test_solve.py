@@ -1,10 +1,13 @@
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
 from optremat.solve import HEURISTICS
-from tests.dags import training_chain
+from tests.bruteforce import optimum
+from tests.dags import graphs, training_chain
 
 GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 
@@ -72,3 +75,18 @@ def test_a_published_graph_plans_within_its_budget():
     g = Graph.load(GRAPHS / "vgg16_b256_224x224_train.json")
     solution = solve(g, 0.9, time_limit=10, workers=1)
     assert simulate(g, solution.schedule).peak_bytes <= resolve_budget(g, 0.9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graphs(max_nodes=8, shared_storage=False), st.floats(0.3, 1.0))
+def test_every_reported_bound_holds_and_optimal_means_optimal(g, fraction):
+    budget = max(1, int(simulate(g, keep_all(g)).peak_bytes * fraction))
+    best = optimum(g, budget)
+    if best is None:
+        return
+    for solver in ("auto", "cpsat", "ilp"):
+        solution = solve(g, budget, solver, time_limit=10, workers=1, copies=g.n)
+        if solution.lower_bound is not None:
+            assert solution.lower_bound <= best[0] + 1e-9
+        if solution.status == "OPTIMAL":
+            assert solution.cost == pytest.approx(best[0])
