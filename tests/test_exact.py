@@ -35,7 +35,7 @@ def test_cpsat_matches_brute_force_with_shared_storage(g, fraction):
     check_against_brute_force(g, fraction, lambda g, b: solve_cpsat(g, b, copies=g.n, time_limit=30, workers=1))
 
 
-@EXHAUSTIVE
+@settings(EXHAUSTIVE, max_examples=100)
 @given(graphs(max_nodes=8, typed=True), st.floats(0.3, 1.0))
 def test_cpsat_with_share_matches_brute_force(g, fraction):
     check_against_brute_force(g, fraction, lambda g, b: solve_cpsat(g, b, copies=g.n, time_limit=30, workers=1,
@@ -48,7 +48,7 @@ def test_milp_matches_brute_force_without_shared_storage(g, fraction):
     check_against_brute_force(g, fraction, lambda g, b: solve_milp(g, b, time_limit=30))
 
 
-@EXHAUSTIVE
+@settings(EXHAUSTIVE, max_examples=100)
 @given(graphs(max_nodes=8, shared_storage=False, typed=True), st.floats(0.3, 1.0))
 def test_milp_with_share_matches_brute_force(g, fraction):
     check_against_brute_force(g, fraction, lambda g, b: solve_milp(g, b, time_limit=30, share=True), share=True)
