@@ -66,6 +66,11 @@ class Schedule:
         return list(zip(self.node.tolist(), self.stage.tolist(), self.until.tolist()))
 
     @cached_property
+    def event_index(self) -> dict[tuple[int, int], int]:
+        """The index of each computation event, by (node, stage)."""
+        return {(int(i), int(s)): e for e, (i, s) in enumerate(zip(self.node, self.stage))}
+
+    @cached_property
     def recomputations(self) -> int:
         """Computation events beyond the first of each node."""
         return len(self.node) - len(np.unique(self.node))

@@ -280,8 +280,7 @@ class _IntervalModel:
 
     def shared(self, solver: cp_model.CpSolver, schedule: Schedule) -> dict[int, int]:
         """The solution's shares as `SimResult.shared` maps them: event index -> input node."""
-        index = {(int(i), int(s)): e for e, (i, s) in enumerate(zip(schedule.node, schedule.stage))}
-        return {index[k, int(solver.value(self.copies[k][d].stage))]: p
+        return {schedule.event_index[k, int(solver.value(self.copies[k][d].stage))]: p
                 for (p, _, k, d), z in self.shares.items() if solver.boolean_value(z)}
 
 

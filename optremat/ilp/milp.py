@@ -113,8 +113,8 @@ def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sch
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise TimeoutError(f"ilp ({backend}) found no plan within {time_limit:g} s; allow more time or a larger budget")
     schedule = from_computations(graph, [(i, t) for (t, i), r in model.R.items() if t != i and r.solution_value() > 0.5])
-    index = {(int(i), int(s)): e for e, (i, s) in enumerate(zip(schedule.node, schedule.stage))}
-    shared = {index[k, t]: int(graph.shareable[k]) for (t, k), z in model.Z.items() if z.solution_value() > 0.5}
+    shared = {schedule.event_index[k, t]: int(graph.shareable[k])
+              for (t, k), z in model.Z.items() if z.solution_value() > 0.5}
     cost = simulate(graph, schedule, share=frozenset(shared)).cost
     bound, optimal = solver.Objective().BestBound(), status == pywraplp.Solver.OPTIMAL
     if not share:
