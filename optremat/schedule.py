@@ -20,6 +20,7 @@ outputs (loss, gradients) are never freed: they are the step's result.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable
@@ -145,10 +146,11 @@ def from_computations(graph: Graph, computations: Iterable[tuple[int, int]]) -> 
     copies = [sorted(s) for s in stages]
     until = {(i, s): s for i in range(n) for s in copies[i]}
     for k in range(n):
-        for s in copies[k]:
-            for p in graph.preds[k].tolist():
-                serving = max(c for c in copies[p] if c <= s)
-                until[p, serving] = max(until[p, serving], s)
+        for p in graph.preds[k].tolist():
+            for s in copies[k]:
+                serving = copies[p][bisect_right(copies[p], s) - 1]
+                if until[p, serving] < s:
+                    until[p, serving] = s
     resident = graph.pinned | graph.output
     return Schedule.from_events([(i, s, n - 1 if resident[i] else u) for (i, s), u in until.items()], n)
 

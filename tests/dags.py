@@ -51,3 +51,37 @@ def training_chain(costs: list[float], sizes: list[int]) -> Graph:
                        size=[sizes[0]] + list(sizes) + [1] + [sizes[i - 1] for i in range(layers, 0, -1)],
                        edges=sorted(set(edges)), kind=["input"] + ["op"] * (n - 1),
                        output=[False] * (n - 1) + [True], backward=[False] * (layers + 2) + [True] * layers)
+
+
+@st.composite
+def training_graphs(draw: st.DrawFn, max_layers: int = 8) -> Graph:
+    """A random training graph: an input, forward ops reading one or two earlier tensors,
+    a loss, and per forward op a gradient op reading the gradients of its readers, its
+    inputs and, at times, its own output (as ReLU's backward does)."""
+    layers = draw(st.integers(1, max_layers))
+    forward_preds = [[0]]
+    for i in range(2, layers + 1):
+        forward_preds.append(sorted({i - 1} | draw(st.sets(st.integers(0, i - 1), max_size=1))))
+    readers: list[list[int]] = [[] for _ in range(layers + 2)]
+    for i, preds in enumerate(forward_preds, start=1):
+        for p in preds:
+            readers[p].append(i)
+    loss = layers + 1
+    readers[layers].append(loss)
+    edges = [(p, i) for i, preds in enumerate(forward_preds, start=1) for p in preds] + [(layers, loss)]
+    gradient = {loss: loss}
+    for i in range(layers, 0, -1):
+        g = loss + 1 + (layers - i)
+        gradient[i] = g
+        reads = {gradient[r] for r in readers[i]} | set(forward_preds[i - 1])
+        if draw(st.booleans()):
+            reads.add(i)
+        edges += [(r, g) for r in reads]
+    n = 2 * layers + 2
+    size = [draw(st.integers(1, 16)) for _ in range(layers + 1)] + [1]
+    size += [size[i] for i in range(layers, 0, -1)]
+    cost = [0.0] + [float(draw(st.integers(1, 9))) for _ in range(layers)] + [1.0]
+    cost += [2 * cost[i] for i in range(layers, 0, -1)]
+    return Graph.build(cost=cost, size=size, edges=sorted(set(edges)), kind=["input"] + ["op"] * (n - 1),
+                       output=[False] * (n - 1) + [True], backward=[False] * (layers + 2) + [True] * layers,
+                       workspace=[0] + [draw(st.sampled_from([0, 0, 4])) for _ in range(n - 1)])

@@ -21,22 +21,28 @@ from optremat.graph import Graph
 from optremat.schedule import Schedule, from_computations, simulate
 
 
+MAX_STEPS = 40
+"""Steps after which splitting gives up: plans that fit take fewer than 20 on the published
+graphs, while chains can creep down a split at a time for hundreds."""
+
+
 def split_lifetimes(graph: Graph, budget: int) -> Schedule:
     """The plan lifetime splitting reaches under `budget`; InfeasibleBudget (naming the
-    least peak reached) when no new split lowers the peak further."""
+    least peak reached) when no split is left to try or MAX_STEPS did not reach it."""
     movable = ~(graph.pinned | graph.output) & (graph.alias_of < 0) & (graph.size > 0)
     computations: set[tuple[int, int]] = set()
     schedule = from_computations(graph, computations)
     result = simulate(graph, schedule)
-    best = result.peak_bytes
+    best, steps = result.peak_bytes, 0
     while result.peak_bytes > budget:
         moves = set(_best_splits(graph, schedule, int(np.argmax(result.stage_peak)), movable,
                                  (result.peak_bytes - budget) // 2 + 1)) - computations
-        if not moves:
+        if not moves or steps == MAX_STEPS:
             raise InfeasibleBudget(budget, best, "split")
         computations |= moves
         schedule = from_computations(graph, computations)
         result = simulate(graph, schedule)
+        steps += 1
         best = min(best, result.peak_bytes)
     return schedule
 
