@@ -68,7 +68,7 @@ def vgg19_section(folder: Path, limit: float) -> str:
         except InfeasibleBudget as error:
             peak = error.smallest
         except NotAChain:
-            rows.append([name, "n/a (not a chain)", "-", "-", "-"])
+            rows.append([name, "n/a (no backward)", "-", "-", "-"])
             continue
         published = str(CHECKMATE_VGG19["chen"]) if name == "chen" else "-"
         rows.append([name, f"{peak / 2**30:.2f} GiB", str(int(memory * 256 // peak)), published, "-"])

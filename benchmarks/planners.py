@@ -25,7 +25,9 @@ from optremat.ilp.cpsat import solve_cpsat
 from optremat.ilp.milp import solve_milp
 from optremat.bench import PLANNERS, compare_planners
 from optremat.models import build
+from optremat.heuristics.dp import MAX_BLOCKS, chain_dp
 from optremat.solve import HEURISTICS, MAX_COPIES
+from optremat.synthetic import random_training_graph, training_chain
 from benchmarks.report import machine, table
 from optremat.plots import plot_lines
 
@@ -98,7 +100,7 @@ def published_section(folder: Path, limit: float) -> str:
                 except InfeasibleBudget:
                     row.append("none fits")
                 except NotAChain:
-                    row.append("n/a (not a chain)")
+                    row.append("n/a (no backward)")
             for solver, seconds in columns:
                 if solver == "ilp" and graph.n > 80:
                     row.append("skipped (> 80 nodes)")
@@ -119,32 +121,6 @@ def published_section(folder: Path, limit: float) -> str:
             rows.append(row)
             print(" | ".join(row), flush=True)
     return table(header, rows)
-
-
-def random_training_graph(layers: int, seed: int = 0) -> Graph:
-    """A residual training graph: `layers` forward ops (some with skip inputs), a loss,
-    and a backward op per layer reading the layer's input and the incoming gradient."""
-    rng = random.Random(seed)
-    edges, cost, size = [], [], []
-    for i in range(layers):
-        cost.append(rng.uniform(1, 10))
-        size.append(rng.randint(1, 16) * 1024)
-        if i:
-            edges.append((i - 1, i))
-        if i > 4 and rng.random() < 0.2:
-            edges.append((i - rng.randint(2, 4), i))
-    loss = layers
-    cost.append(1.0)
-    size.append(8)
-    edges.append((layers - 1, loss))
-    for k, i in enumerate(range(layers - 1, -1, -1)):
-        b = loss + 1 + k
-        cost.append(2 * cost[i])
-        size.append(size[i])
-        edges += [(b - 1, b)] + ([(i - 1, b)] if i else [])
-    n = 2 * layers + 1
-    return Graph.build(cost=cost, size=size, edges=sorted(set(edges)), backward=[False] * (layers + 1) + [True] * layers,
-                       output=[False] * (n - 1) + [True])
 
 
 def scaling_section(limit: float, layer_counts: tuple[int, ...] = (50, 125, 250, 500, 1000, 2500),
@@ -193,6 +169,42 @@ def scaling_section(limit: float, layer_counts: tuple[int, ...] = (50, 125, 250,
             row.append("skipped (O(n²) variables)")
         rows.append(row)
         print(" | ".join(row), flush=True)
+    return table(header, rows)
+
+
+def chain_section(fraction: float = 0.3, layer_counts: tuple[int, ...] = (100, 1000)) -> str:
+    """The chain DP on training chains of uniform and of random layers: its time and
+    overhead with the default block limit, ungrouped where that is affordable, and the
+    best other heuristic's."""
+    header = ["chain", "nodes", f"dp ({MAX_BLOCKS} blocks)", "dp (every layer a block)", "best other heuristic"]
+    rows = []
+    for layers in layer_counts:
+        rng = random.Random(layers)
+        chains = {"uniform": training_chain([1.0] * layers, [1 << 20] * layers),
+                  "random": training_chain([rng.uniform(1, 10) for _ in range(layers)],
+                                           [rng.randint(1, 16) << 16 for _ in range(layers)])}
+        for kind, graph in chains.items():
+            budget = resolve_budget(graph, fraction)
+            row = [f"{kind}, {layers} layers", str(graph.n)]
+            for blocks in (MAX_BLOCKS, layers if layers <= 200 else None):
+                if blocks is None:
+                    row.append("skipped (cubic in blocks)")
+                    continue
+                start = time.perf_counter()
+                result = simulate(graph, chain_dp(graph, budget, max_blocks=blocks))
+                row.append(f"{result.overhead:.2%}, {time.perf_counter() - start:.2f} s")
+            others = []
+            for name in HEURISTICS:
+                if name == "dp":
+                    continue
+                try:
+                    others.append((solve(graph, budget, solver=name).cost, name))
+                except InfeasibleBudget:
+                    continue
+            cost, name = min(others, default=(None, "none fits"))
+            row.append(name if cost is None else f"{cost / graph.total_cost - 1:.2%} ({name})")
+            rows.append(row)
+            print(" | ".join(row), flush=True)
     return table(header, rows)
 
 

@@ -152,7 +152,11 @@ def main() -> None:
         text = planners.scaling_section(config.scaling_limit, config.scaling_layers, times)
         plot_lines(HERE / "solve_time.png", times, "solve time vs graph size (budget 50%)", "nodes", "seconds", log=True)
         section("Solve time vs graph size (random residual training graphs, budget 50%)", text, "",
-                "![solve time](solve_time.png)")
+                "![solve time](solve_time.png)", "",
+                "The chain DP on training chains at 30% of the unplanned peak: overhead and time with its default "
+                "block limit (longer chains are planned over merged blocks), with every layer a block where that "
+                "is affordable (the DP's time grows with the cube of the blocks), and the best other heuristic.", "",
+                planners.chain_section())
     if "layout" in sections:
         section("Memory layout, sharing and execution order (simulated)",
                 "Every allocation of the schedule (storages and op workspaces, aligned to 64 bytes) gets an offset "

@@ -250,7 +250,7 @@ def _simulated(coarsened: Coarsened, planner: str, fraction: float, budget: int,
     try:
         solution = solve(coarsened.coarse, budget, solver=planner, time_limit=time_limit)
     except NotAChain:
-        return Simulated(planner, fraction, note="n/a (not a chain)")
+        return Simulated(planner, fraction, note="n/a (no backward)")
     except InfeasibleBudget as error:
         return Simulated(planner, fraction, note=f"infeasible (min {error.smallest / unplanned:.0%})")
     except TimeoutError:

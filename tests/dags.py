@@ -5,6 +5,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from optremat import Graph
+from optremat.synthetic import training_chain
+
+__all__ = ["graphs", "training_chain", "training_graphs"]
 
 
 @st.composite
@@ -36,21 +39,6 @@ def graphs(draw: st.DrawFn, max_nodes: int = 12, shared_storage: bool = True, ty
     return Graph.build(cost=cost, size=size, edges=edges, alias_of=alias_of, output=output,
                        kind=["param"] * params + ["op"] * ops, workspace=workspace, fusible=fusible,
                        tensor=[f"f32[{s}]" if typed else "" for s in size])
-
-
-def training_chain(costs: list[float], sizes: list[int]) -> Graph:
-    """A chain of layers and its backward: input, f_1..f_L, the loss, then b_L..b_1 where
-    b_i reads f_i's input and the gradient from b_(i+1); the input's gradient is the output."""
-    layers = len(costs)
-    n = 2 * layers + 2
-    edges = [(i, i + 1) for i in range(layers + 1)]
-    for i in range(layers, 0, -1):
-        b = 2 * layers + 2 - i
-        edges += [(b - 1, b), (i - 1, b)]
-    return Graph.build(cost=[0.0] + list(costs) + [0.0] + [2.0 * c for c in reversed(costs)],
-                       size=[sizes[0]] + list(sizes) + [1] + [sizes[i - 1] for i in range(layers, 0, -1)],
-                       edges=sorted(set(edges)), kind=["input"] + ["op"] * (n - 1),
-                       output=[False] * (n - 1) + [True], backward=[False] * (layers + 2) + [True] * layers)
 
 
 @st.composite

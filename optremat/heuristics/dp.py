@@ -117,8 +117,8 @@ def _starts(graph: Graph, forward: np.ndarray, cuts: list[int]) -> list[int | No
 
 
 def _ordered(graph: Graph, forward: np.ndarray, cuts: list[int]) -> list[int]:
-    """`cuts` less those whose removal merges a block no backward reads, or whose
-    backward does not start before the block below's."""
+    """`cuts` less those that would leave a block no backward node reads, or a block
+    whose backward does not start after the backward of the block above it."""
     cuts = list(cuts)
     while True:
         start = _starts(graph, forward, cuts)
@@ -174,13 +174,12 @@ def _describe(graph: Graph, forward: np.ndarray, cuts: list[int]) -> Blocks:
         fields["full"].append(tuple(full))
         fields["leaf"].append(tuple(leaf))
         fields["hold"].append(owned([c] + inner))
-        into = {bounds[k - 1]: x[k - 1]} if bounds[k - 1] >= 0 else {}
+        into = {lo: x[k - 1]} if lo >= 0 else {}
         fields["peak_from"].append(_run_peak(graph, advance, into, {c}))
         fields["peak_after"].append(_run_peak(graph, advance, {}, {c}))
         fields["peak_full"].append(_run_peak(graph, full, {}, {c, *inner}))
         live_in = {v: owned([v]) for v in entering + inner}
-        below = bounds[k - 1]
-        released = below >= 0 and below not in seg_reads and below not in previous_inner
+        released = lo >= 0 and lo not in seg_reads and lo not in previous_inner
         previous_inner = set(inner)
         direct = _run_peak(graph, segment, live_in, {v for v in live_in if resident[v] or last_read[v] >= s_end}
                            | {v for v in segment if resident[v] or last_read[v] >= s_end})
@@ -227,7 +226,7 @@ def _run_peak(graph: Graph, ops: list[int], live: dict[int, int], keep: set[int]
     return peak
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Tables:
     """The DP's value and choice tables over free slots 0..slots (see `_solve`)."""
 
@@ -355,13 +354,14 @@ def _resolution(blocks: Blocks, free_bytes: int) -> tuple[int, int]:
     return slot, free_bytes // slot
 
 
-def chain_dp(graph: Graph, budget: int) -> Schedule:
-    """The cheapest nested checkpointing schedule the block-chain DP finds within `budget`.
+def chain_dp(graph: Graph, budget: int, *, max_blocks: int = MAX_BLOCKS) -> Schedule:
+    """The cheapest nested checkpointing schedule the block-chain DP finds within `budget`,
+    over at most `max_blocks` blocks (time grows with their cube).
 
     Raises NotAChain for a graph without a forward pass marked apart from its backward,
     and InfeasibleBudget naming the smallest peak it reached otherwise.
     """
-    blocks = block_chain(graph)
+    blocks = block_chain(graph, max_blocks)
     unplanned = simulate(graph, keep_all(graph)).peak_bytes
     peaks = []
     for top in (int(budget * HEADROOM), unplanned):
