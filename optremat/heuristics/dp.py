@@ -178,14 +178,15 @@ def _describe(graph: Graph, forward: np.ndarray, cuts: list[int]) -> Blocks:
         fields["peak_from"].append(_run_peak(graph, advance, into, {c}))
         fields["peak_after"].append(_run_peak(graph, advance, {}, {c}))
         fields["peak_full"].append(_run_peak(graph, full, {}, {c, *inner}))
+        entering_bytes = owned(entering)
         live_in = {v: owned([v]) for v in entering + inner}
         released = lo >= 0 and lo not in seg_reads and lo not in previous_inner
         previous_inner = set(inner)
         direct = _run_peak(graph, segment, live_in, {v for v in live_in if resident[v] or last_read[v] >= s_end}
                            | {v for v in segment if resident[v] or last_read[v] >= s_end})
-        fields["entering"].append(owned(entering))
+        fields["entering"].append(entering_bytes)
         direct -= x[k - 1] if released else 0
-        fields["leaf_need"].append(max(owned(entering) + _run_peak(graph, leaf, {}, set(inner)), direct))
+        fields["leaf_need"].append(max(entering_bytes + _run_peak(graph, leaf, {}, set(inner)), direct))
         fields["direct_need"].append(direct)
         for key, nodes in (("cost_advance", advance), ("cost_full", full), ("cost_leaf", leaf)):
             fields[key].append(float(graph.cost[list(nodes)].sum()) if nodes else 0.0)
@@ -228,7 +229,8 @@ def _run_peak(graph: Graph, ops: list[int], live: dict[int, int], keep: set[int]
 
 @dataclass(frozen=True)
 class _Tables:
-    """The DP's value and choice tables over free slots 0..slots (see `_solve`)."""
+    """The DP's value and choice tables over free slots 0..slots (see `_solve`), and the
+    block bytes they were solved with, in slots."""
 
     backward: np.ndarray
     backward_choice: np.ndarray
@@ -236,6 +238,8 @@ class _Tables:
     sweep_choice: np.ndarray
     slot: int
     pad: int
+    x: np.ndarray
+    hold: np.ndarray
 
 
 FULL = -1
@@ -300,7 +304,7 @@ def _solve(blocks: Blocks, slot: int, slots: int) -> _Tables:
         best = stacked.argmin(axis=0)
         sweep[a, pad:] = stacked[best, free]
         sweep_choice[a, pad:] = np.array(codes)[best]
-    return _Tables(backward, choice, sweep, sweep_choice, slot, pad)
+    return _Tables(backward, choice, sweep, sweep_choice, slot, pad, x, hold)
 
 
 def _shifted(row: np.ndarray, pad: int, by: int, slots: int) -> np.ndarray:
@@ -312,9 +316,7 @@ def _shifted(row: np.ndarray, pad: int, by: int, slots: int) -> np.ndarray:
 
 def _lower(graph: Graph, blocks: Blocks, tables: _Tables, free: int) -> Schedule:
     """The schedule of the DP's choices with `free` slots."""
-    x = np.ceil(blocks.x / tables.slot).astype(np.int64)
-    hold = np.ceil(blocks.hold / tables.slot).astype(np.int64)
-    pad, length = tables.pad, blocks.length
+    x, hold, pad, length = tables.x, tables.hold, tables.pad, blocks.length
     computations: list[tuple[int, int]] = []
     pending: list[tuple[int, int, int]] = []
     a, m = 0, free
