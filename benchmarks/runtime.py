@@ -1,4 +1,4 @@
-"""Plans executed: predicted vs measured peak and step-time overhead of the checkpoint runtime.
+"""Plans executed: predicted vs measured peak and step-time overhead of both runtimes.
 
     python -m benchmarks.runtime [--models gpt-tiny,resnet-tiny,...] [--budgets 0.3,0.5,0.7,0.9]
                                  [--runtimes checkpoint,exact] [--limit 30] [--runs 5] [--out runtime.md]
@@ -7,7 +7,8 @@ For each built-in model, runtime and budget (a fraction of the unplanned simulat
 it plans with `optremat.plan(..., solver="auto")`, applies the plan, and runs float32
 training steps on the CPU: the measured peak (profiler memory events) against the plan's
 predicted peak, and the step-time overhead as the median, over `runs` interleaved pairs,
-of planned over unplanned step time. Writes benchmarks/<out>.
+of planned over unplanned step time. Where a budget is infeasible, one more row plans at
+the smallest budget the planner reached. Writes benchmarks/<out>.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
 
 
 def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int) -> Iterator[list[str]]:
+    """One row per budget; where a budget is infeasible, a last row at the smallest
+    budget the planner reached, so every model shows a plan at its tightest."""
     example = build(name)
     model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
@@ -38,17 +41,23 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
     def step(module: torch.nn.Module) -> tuple:
         return torch.autograd.grad(loss_fn(module(*inputs)), params)
 
-    for fraction in budgets:
+    smallest = None
+    for budget in budgets + [None]:
+        if budget is None:
+            if smallest is None:
+                break
+            budget = smallest
+        label = f"{budget:.0%}" if isinstance(budget, float) else f"smallest ({format_bytes(budget)})"
         started = time.perf_counter()
         try:
-            plan = optremat.plan(model, inputs, fraction, loss_fn=loss_fn if runtime == "checkpoint" else None,
-                                 time_limit=limit, runtime=runtime)
+            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=limit, runtime=runtime)
         except optremat.InfeasibleBudget as error:
-            yield [name, runtime, f"{fraction:.0%}", f"infeasible (smallest {format_bytes(error.smallest)}, "
+            smallest = error.smallest if isinstance(budget, float) else None
+            yield [name, runtime, label, f"infeasible (smallest {format_bytes(error.smallest)}, "
                    f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7
             continue
         except ValueError as error:
-            yield [name, runtime, f"{fraction:.0%}", f"refused: {str(error).split(';')[0]}"] + ["-"] * 7
+            yield [name, runtime, label, f"refused: {str(error).split(';')[0]}"] + ["-"] * 7
             continue
         seconds = time.perf_counter() - started
         trained = optremat.apply(model, plan)
@@ -62,7 +71,7 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
                 step(module)
                 times.append(time.perf_counter() - begin)
             ratios.append(times[1] / times[0])
-        yield [name, runtime, f"{fraction:.0%}", f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
+        yield [name, runtime, label, f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
                format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
                f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
                f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"]
@@ -92,7 +101,9 @@ def main() -> None:
              f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
              f"--runtimes {args.runtimes} --budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
              f"--out {args.out}`. Budgets are fractions of the unplanned simulated peak (parameters and gradients "
-             "included); measured peaks are profiler memory events; overhead is the median over interleaved "
+             "included); where one is infeasible, a last row plans at the smallest budget the planner reached. "
+             "Both runtimes plan with the model's loss (the exact runtime runs it outside the step and leaves room "
+             "for its memory). Measured peaks are profiler memory events; overhead is the median over interleaved "
              "planned/unplanned step pairs.\n\n")
     for name in args.models.split(","):
         for runtime in args.runtimes.split(","):

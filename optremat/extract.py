@@ -15,16 +15,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from optremat.costs import DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
 from optremat.graph import Graph
+from optremat.schedule import keep_all, simulate
 
 
 class ExtractionError(RuntimeError):
@@ -126,6 +128,40 @@ def trace(
                   structure["spec"], leaves, structure["gradients"], structure["tangents"])
 
 
+def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor], *,
+               device: str | DeviceProfile = "cpu") -> int:
+    """The bytes a loss computed by eager autograd on the model's output adds, at its
+    peak, to the output and the output's gradient: the memory of the loss step that a
+    step traced without it (the exact runtime's) does not see."""
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    out = _fake_output(model, dict(model.named_parameters()), dict(model.named_buffers()), inputs)
+    traced = trace(_Output(out), (), loss_fn, device=device)
+    graph = traced.graph
+    held = np.unique(graph.storage_root[graph.pinned | graph.output])
+    return max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0)
+
+
+class _Output(nn.Module):
+    """A module with no inputs returning tensors shaped like a model's output, those
+    that take a gradient as parameters, so that tracing a loss over it is a training step."""
+
+    def __init__(self, out: Any) -> None:
+        super().__init__()
+        leaves, self.spec = tree_flatten(out)
+        self.constants = [None if isinstance(t, torch.Tensor) else t for t in leaves]
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                real = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                if t.requires_grad:
+                    self.register_parameter(f"leaf{i}", nn.Parameter(real))
+                else:
+                    self.register_buffer(f"leaf{i}", real)
+
+    def forward(self) -> Any:
+        leaves = [getattr(self, f"leaf{i}") if c is None else c for i, c in enumerate(self.constants)]
+        return tree_unflatten(leaves, self.spec)
+
+
 def _grad_leaves(out: Any) -> list[torch.Tensor]:
     leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
@@ -134,17 +170,21 @@ def _grad_leaves(out: Any) -> list[torch.Tensor]:
 
 
 def _output_like(model: nn.Module, params: dict, buffers: dict, inputs: tuple) -> list[torch.Tensor]:
-    """Fake tensors shaped like the differentiable outputs, to stand for their gradients."""
+    """Tensors shaped like the differentiable outputs, to stand for their gradients."""
+    leaves = _grad_leaves(_fake_output(model, params, buffers, inputs))
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
+
+
+def _fake_output(model: nn.Module, params: dict, buffers: dict, inputs: tuple) -> Any:
+    """The model's output on fake tensors: its structure, shapes and which leaves take a gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        out = torch.func.functional_call(model, ({k: fake(v) for k, v in params.items()},
-                                                 {k: fake(v) for k, v in buffers.items()}),
-                                         tuple(fake(x) for x in inputs))
-        leaves = _grad_leaves(out)
-    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
+        return torch.func.functional_call(model, ({k: fake(v) for k, v in params.items()},
+                                                  {k: fake(v) for k, v in buffers.items()}),
+                                          tuple(fake(x) for x in inputs))
 
 
 def _set_custom(**fields: Any) -> None:

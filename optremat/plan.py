@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from optremat.budget import ACCEPTED, InfeasibleBudget, resolve_budget
 from optremat.coarsen import coarsen
-from optremat.extract import Traced, trace
+from optremat.extract import Traced, loss_bytes, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
 from optremat.ilp.layout import ALIGNMENT, layout
@@ -219,9 +219,9 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     same model, shapes, budget and options loads the plan and runs no solver.
 
     `runtime` picks what executes the plan, and so what is planned: "checkpoint" (segments
-    of the forward under torch.utils.checkpoint; the loss may be folded in with `loss_fn`)
+    of the forward under torch.utils.checkpoint; `loss_fn` folds the loss into what is planned)
     or "exact" (the whole step op by op, so the solver's schedule runs as it is; the loss
-    must stay outside the model). With the exact runtime, `order="best"` also lets the
+    runs outside it, and `loss_fn` makes the plan leave room for the loss's memory). With the exact runtime, `order="best"` also lets the
     step run its independent ops in another order where that lowers the unplanned peak
     (`optremat.order.best_order`).
     """
@@ -233,14 +233,13 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         raise ValueError(f"unknown order {order!r}; choose traced or best")
     if order == "best" and runtime != "exact":
         raise ValueError("only the exact runtime runs ops in another order than traced: use runtime='exact'")
-    if runtime == "exact" and loss_fn is not None:
-        raise ValueError("the exact runtime runs the backward from the output's gradient: "
-                         "plan without loss_fn (compute the loss outside the model)")
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     device_name = device or _model_device(model)
-    traced = trace(model, inputs, loss_fn, cost_model=cost_model, device=device_name)
-    graph = traced.graph
+    folded = loss_fn if runtime == "checkpoint" else None
+    traced = trace(model, inputs, folded, cost_model=cost_model, device=device_name)
+    loss = 0 if loss_fn is None or folded else loss_bytes(model, inputs, loss_fn, device=device_name)
+    graph = with_loss(traced.graph, traced, _leaf_count(model, inputs), loss)
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
     if budget_bytes < floor:
@@ -253,7 +252,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     def solved() -> Plan:
         if forward is None:
-            return _solve_exact(model, traced, inputs, budget_bytes, order=order, **options)
+            return _solve_exact(model, traced, inputs, budget_bytes, order=order, loss=loss, **options)
         return _solve_checkpoint(model, graph, forward, budget_bytes, **options)
 
     if cache is None:
@@ -280,16 +279,18 @@ def _relative(progress: Progress, total: float) -> Progress:
 
 
 def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: int, *, solver: str, order: str,
-                 time_limit: float, workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
+                 loss: int, time_limit: float, workers: int, seed: int, progress: Progress | None,
+                 started: float) -> Plan:
     """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
     plan peaks over the budget on every op, solve again with the budget reduced by the excess.
     Once the solver finds no plan, the best heuristic plan at the smallest budget it names
-    is the last try."""
-    graph = traced.graph
+    is the last try. `loss` is the bytes of a loss computed outside the step (`with_loss`)."""
+    leaves = _leaf_count(model, inputs)
+    graph = with_loss(traced.graph, traced, leaves, loss)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     if order == "best":
-        leaves = len(dict(model.named_parameters())) + len(dict(model.named_buffers())) + len(tree_leaves(inputs))
-        graph = best_order(graph, after_output_gradient(graph, traced, leaves))[0]
+        graph = with_loss(best_order(traced.graph, after_output_gradient(traced.graph, traced, leaves))[0],
+                          traced, leaves, loss)
     coarse = coarsen(graph)
     target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):
@@ -319,6 +320,24 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
             break
         target -= result.peak_bytes - budget_bytes
     raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
+
+
+def _leaf_count(model: nn.Module, inputs: tuple) -> int:
+    """The traced step's leading placeholders: parameters, buffers and input tensors."""
+    return len(dict(model.named_parameters())) + len(dict(model.named_buffers())) + len(tree_leaves(inputs))
+
+
+def with_loss(graph: Graph, traced: Traced, leaves: int, loss: int) -> Graph:
+    """`graph`, a step traced without its loss, with the loss's `loss` bytes as the
+    workspace of the first op that reads the output's gradient: the exact runtime leaves
+    the loss to eager autograd between its forward and its backward, so that is when
+    those bytes are live."""
+    if not loss:
+        return graph
+    workspace = graph.workspace.copy()
+    workspace[int(np.argmax(after_output_gradient(graph, traced, leaves)))] += loss
+    workspace.flags.writeable = False
+    return replace(graph, workspace=workspace)
 
 
 def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule,

@@ -349,10 +349,34 @@ def test_reordering_needs_the_exact_runtime() -> None:
         optremat.plan(model, inputs, 0.9, loss_fn=loss_fn, order="best")
 
 
-def test_exact_runtime_refuses_a_folded_loss() -> None:
-    model, inputs, loss_fn = deep_mlp()
-    with pytest.raises(ValueError, match="loss outside"):
-        optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, runtime="exact")
+def test_exact_plan_leaves_room_for_the_loss_outside_it() -> None:
+    """A cross-entropy over 2,048 classes: its log-softmax and that one's gradient are as
+    large as the logits, and run under eager autograd between the step's two halves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 2048))
+    x, target = torch.randn(256, 32), torch.randint(0, 2048, (256,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, target)
+
+    blind = optremat.plan(model, (x,), 1.0, runtime="exact", time_limit=10)
+    planned = optremat.plan(model, (x,), 1.0, loss_fn=loss_fn, runtime="exact", time_limit=10)
+    logits = 256 * 2048 * 4
+    assert planned.baseline_peak_bytes >= blind.baseline_peak_bytes + logits
+    params = list(model.parameters())
+    for plan in (blind, planned):
+        trained = optremat.apply(model, plan)
+
+        def step() -> tuple:
+            return torch.autograd.grad(loss_fn(trained(x)), params)
+
+        step()
+        measured = measure_peak(step, resident=[params, x]).peak_bytes
+        if plan is blind:
+            assert measured > 1.3 * plan.predicted_peak_bytes
+        else:
+            assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+            assert measured <= 1.05 * plan.budget_bytes
 
 
 def test_saved_exact_plan_applies_after_loading_and_refuses_another_model(tmp_path) -> None:
