@@ -219,11 +219,11 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     same model, shapes, budget and options loads the plan and runs no solver.
 
     `runtime` picks what executes the plan, and so what is planned: "checkpoint" (segments
-    of the forward under torch.utils.checkpoint; `loss_fn` folds the loss into what is planned)
-    or "exact" (the whole step op by op, so the solver's schedule runs as it is; the loss
-    runs outside it, and `loss_fn` makes the plan leave room for the loss's memory). With the exact runtime, `order="best"` also lets the
-    step run its independent ops in another order where that lowers the unplanned peak
-    (`optremat.order.best_order`).
+    of the forward under torch.utils.checkpoint; `loss_fn` folds the loss into what is
+    planned) or "exact" (the whole step op by op, so the solver's schedule runs as it is;
+    the loss runs outside it, and `loss_fn` makes the plan leave room for the loss's
+    memory). With the exact runtime, `order="best"` also lets the step run its independent
+    ops in another order where that lowers the unplanned peak (`optremat.order.best_order`).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -283,8 +283,9 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
                  started: float) -> Plan:
     """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
     plan peaks over the budget on every op, solve again with the budget reduced by the excess.
-    Once the solver finds no plan, the best heuristic plan at the smallest budget it names
-    is the last try. `loss` is the bytes of a loss computed outside the step (`with_loss`)."""
+    Once the solver finds no plan (or none in time), the best heuristic plan at the smallest
+    budget it names (or the heuristics reach) is the last try. `loss` is the bytes of a loss
+    computed outside the step (`with_loss`)."""
     leaves = _leaf_count(model, inputs)
     graph = with_loss(traced.graph, traced, leaves, loss)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
@@ -299,10 +300,13 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
         try:
             solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
                              progress=progress)
-        except InfeasibleBudget as error:
-            solution, exhausted = best_heuristic(coarse.coarse, error.smallest)[0], True
+        except (InfeasibleBudget, TimeoutError) as error:
+            least = error.smallest if isinstance(error, InfeasibleBudget) else best_heuristic(coarse.coarse, target)[1]
+            if least is None:
+                raise
+            solution, exhausted = best_heuristic(coarse.coarse, least)[0], True
             if solution is None:
-                raise InfeasibleBudget(budget_bytes, error.smallest, f"{solver} (on the coarsened graph)") from None
+                raise InfeasibleBudget(budget_bytes, least, f"{solver} (on the coarsened graph)") from None
         fine = coarse.expand(solution.schedule)
         result = simulate(coarse.fine, fine, share=True)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
@@ -352,7 +356,8 @@ def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph,
 
 def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, budget_bytes: int, *, solver: str,
                       time_limit: float, workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
-    """Solve on the coarsened graph, lower to segments, and keep the cheapest plan that fits."""
+    """Solve on the coarsened graph, lower to segments, and keep the cheapest plan that fits;
+    segment-shaped keep sets compete, and stand alone when the solver finds no plan."""
     index = {name: i for i, name in enumerate(graph.names)}
     program = np.array([index[name] for name in forward.names], dtype=np.int64)
     coarse = coarsen(graph)
@@ -365,7 +370,7 @@ def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, budget_b
                          progress=progress)
         kept[:] = False
         kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
-    except InfeasibleBudget:
+    except (InfeasibleBudget, TimeoutError):
         pass
     candidates = [(solution is not None, *fit(graph, kept, program, budget_bytes))]
     for keep_set in boundary_keep_sets(graph, program) + module_keep_sets(graph, program):

@@ -82,6 +82,10 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
         saved = _by_storage(graph, saved, base) | resident
         needed = _closure(graph, [v for v in members if backward_reads[v] and not saved[v]],
                           lambda p: start <= position[p] < stop and not saved[p])
+        if needed and any(_in_place(graph, v) for v in members):
+            saved[[v for v in members if backward_reads[v]]] = True
+            saved = _by_storage(graph, saved, base) | resident
+            needed = []
         if not needed:
             lowered.append(Segment(start, stop))
             continue
@@ -251,8 +255,14 @@ def _by_storage(graph: Graph, saved: np.ndarray, base: np.ndarray) -> np.ndarray
 def _overwritten(graph: Graph, program: np.ndarray) -> list[int]:
     """Storage bases that an in-place forward op writes: a saved copy would go stale."""
     base = graph.storage_root
-    return [int(base[graph.alias_of[v]]) for v in program.tolist()
-            if graph.alias_of[v] >= 0 and graph.ops[v].split(".")[0].endswith("_")]
+    return [int(base[graph.alias_of[v]]) for v in program.tolist() if _in_place(graph, v)]
+
+
+def _in_place(graph: Graph, v: int) -> bool:
+    """An op that writes its result over its input's storage. Replaying a segment that
+    holds one under checkpoint has given wrong gradients (LSTMCell's in-place gates on
+    the CPU), so such segments run plainly."""
+    return bool(graph.alias_of[v] >= 0) and graph.ops[v].split(".")[0].endswith("_")
 
 
 def _segments(program: np.ndarray, saved: np.ndarray, last_forward_read: np.ndarray) -> list[tuple[int, int]]:
