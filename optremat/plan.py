@@ -239,7 +239,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     folded = loss_fn if runtime == "checkpoint" else None
     traced = trace(model, inputs, folded, cost_model=cost_model, device=device_name)
     loss = 0 if loss_fn is None or folded else loss_bytes(model, inputs, loss_fn, device=device_name)
-    graph = with_loss(traced.graph, traced, _leaf_count(model, inputs), loss)
+    graph = _with_loss(traced.graph, traced, _leaf_count(model, inputs), loss)
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
     if budget_bytes < floor:
@@ -285,12 +285,12 @@ def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: 
     plan peaks over the budget on every op, solve again with the budget reduced by the excess.
     Once the solver finds no plan (or none in time), the best heuristic plan at the smallest
     budget it names (or the heuristics reach) is the last try. `loss` is the bytes of a loss
-    computed outside the step (`with_loss`)."""
+    computed outside the step (`_with_loss`)."""
     leaves = _leaf_count(model, inputs)
-    graph = with_loss(traced.graph, traced, leaves, loss)
+    graph = _with_loss(traced.graph, traced, leaves, loss)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     if order == "best":
-        graph = with_loss(best_order(traced.graph, after_output_gradient(traced.graph, traced, leaves))[0],
+        graph = _with_loss(best_order(traced.graph, after_output_gradient(traced.graph, traced, leaves))[0],
                           traced, leaves, loss)
     coarse = coarsen(graph)
     target, deadline, smallest = budget_bytes, started + time_limit, None
@@ -331,7 +331,7 @@ def _leaf_count(model: nn.Module, inputs: tuple) -> int:
     return len(dict(model.named_parameters())) + len(dict(model.named_buffers())) + len(tree_leaves(inputs))
 
 
-def with_loss(graph: Graph, traced: Traced, leaves: int, loss: int) -> Graph:
+def _with_loss(graph: Graph, traced: Traced, leaves: int, loss: int) -> Graph:
     """`graph`, a step traced without its loss, with the loss's `loss` bytes as the
     workspace of the first op that reads the output's gradient: the exact runtime leaves
     the loss to eager autograd between its forward and its backward, so that is when

@@ -82,7 +82,7 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
         saved = _by_storage(graph, saved, base) | resident
         needed = _closure(graph, [v for v in members if backward_reads[v] and not saved[v]],
                           lambda p: start <= position[p] < stop and not saved[p])
-        if needed and any(_in_place(graph, v) for v in members):
+        if needed and any(_in_place(graph, v) and not resident[base[graph.alias_of[v]]] for v in members):
             saved[[v for v in members if backward_reads[v]]] = True
             saved = _by_storage(graph, saved, base) | resident
             needed = []
@@ -259,9 +259,10 @@ def _overwritten(graph: Graph, program: np.ndarray) -> list[int]:
 
 
 def _in_place(graph: Graph, v: int) -> bool:
-    """An op that writes its result over its input's storage. Replaying a segment that
-    holds one under checkpoint has given wrong gradients (LSTMCell's in-place gates on
-    the CPU), so such segments run plainly."""
+    """An op that writes its result over its input's storage. Replaying a segment where
+    one writes over an activation under checkpoint has given wrong gradients (LSTMCell's
+    in-place gates on the CPU), so such segments run plainly; buffer updates (BatchNorm's
+    running statistics) write to scratch copies when replayed and are no obstacle."""
     return bool(graph.alias_of[v] >= 0) and graph.ops[v].split(".")[0].endswith("_")
 
 
