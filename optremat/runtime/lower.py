@@ -82,7 +82,7 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
         saved = _by_storage(graph, saved, base) | resident
         needed = _closure(graph, [v for v in members if backward_reads[v] and not saved[v]],
                           lambda p: start <= position[p] < stop and not saved[p])
-        if needed and any(_in_place(graph, v) and not resident[base[graph.alias_of[v]]] for v in members):
+        if needed and any(_over_a_value(graph, v) for v in members):
             saved[[v for v in members if backward_reads[v]]] = True
             saved = _by_storage(graph, saved, base) | resident
             needed = []
@@ -259,11 +259,19 @@ def _overwritten(graph: Graph, program: np.ndarray) -> list[int]:
 
 
 def _in_place(graph: Graph, v: int) -> bool:
-    """An op that writes its result over its input's storage. Replaying a segment where
-    one writes over an activation under checkpoint has given wrong gradients (LSTMCell's
-    in-place gates on the CPU), so such segments run plainly; buffer updates (BatchNorm's
-    running statistics) write to scratch copies when replayed and are no obstacle."""
+    """An op that writes its result over its input's storage."""
     return bool(graph.alias_of[v] >= 0) and graph.ops[v].split(".")[0].endswith("_")
+
+
+def _over_a_value(graph: Graph, v: int) -> bool:
+    """An in-place op that overwrites a computed activation. Replaying a segment holding
+    one under checkpoint has given wrong gradients (LSTMCell's in-place gates on the
+    CPU), so such segments run plainly. Buffer updates (BatchNorm's running statistics)
+    replay on scratch copies, and writes into a fresh allocation (dropout's mask) replay
+    the same way, so neither counts."""
+    root = int(graph.storage_root[graph.alias_of[v]]) if graph.alias_of[v] >= 0 else v
+    fresh = graph.ops[root].split(".")[0] in ("empty", "empty_like", "new_empty")
+    return _in_place(graph, v) and not (graph.pinned[root] or graph.output[root] or fresh)
 
 
 def _segments(program: np.ndarray, saved: np.ndarray, last_forward_read: np.ndarray) -> list[tuple[int, int]]:
