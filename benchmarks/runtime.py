@@ -41,24 +41,17 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
     def step(module: torch.nn.Module) -> tuple:
         return torch.autograd.grad(loss_fn(module(*inputs)), params)
 
-    smallest = None
-    for budget in budgets + [None]:
-        if budget is None:
-            if smallest is None:
-                break
-            budget = smallest
+    def row(budget: float | int) -> tuple[list[str], int | None]:
+        """The row for `budget`, and the smallest budget reached when it is infeasible."""
         label = f"{budget:.0%}" if isinstance(budget, float) else f"smallest ({format_bytes(budget)})"
         started = time.perf_counter()
         try:
             plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=limit, runtime=runtime)
         except optremat.InfeasibleBudget as error:
-            smallest = error.smallest if isinstance(budget, float) else None
-            yield [name, runtime, label, f"infeasible (smallest {format_bytes(error.smallest)}, "
-                   f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7
-            continue
+            return [name, runtime, label, f"infeasible (smallest {format_bytes(error.smallest)}, "
+                    f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7, error.smallest
         except ValueError as error:
-            yield [name, runtime, label, f"refused: {str(error).split(';')[0]}"] + ["-"] * 7
-            continue
+            return [name, runtime, label, f"refused: {str(error).split(';')[0]}"] + ["-"] * 7, None
         seconds = time.perf_counter() - started
         trained = optremat.apply(model, plan)
         step(trained)
@@ -71,10 +64,18 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
                 step(module)
                 times.append(time.perf_counter() - begin)
             ratios.append(times[1] / times[0])
-        yield [name, runtime, label, f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
-               format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
-               f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
-               f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"]
+        return [name, runtime, label, f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
+                format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
+                f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
+                f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"], None
+
+    smallest = None
+    for fraction in budgets:
+        cells, least = row(fraction)
+        smallest = least if least is not None else smallest
+        yield cells
+    if smallest is not None:
+        yield row(smallest)[0]
 
 
 def _baseline(model: torch.nn.Module, inputs: tuple, loss_fn) -> int:

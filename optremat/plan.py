@@ -252,7 +252,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     def solved() -> Plan:
         if forward is None:
-            return _solve_exact(model, traced, inputs, budget_bytes, order=order, loss=loss, **options)
+            return _solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
         return _solve_checkpoint(model, graph, forward, budget_bytes, **options)
 
     if cache is None:
@@ -278,20 +278,19 @@ def _relative(progress: Progress, total: float) -> Progress:
     return lambda elapsed, cost, bound: progress(elapsed, cost / total - 1, bound / total - 1)
 
 
-def _solve_exact(model: nn.Module, traced: Traced, inputs: tuple, budget_bytes: int, *, solver: str, order: str,
-                 loss: int, time_limit: float, workers: int, seed: int, progress: Progress | None,
+def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, budget_bytes: int, *, solver: str,
+                 order: str, loss: int, time_limit: float, workers: int, seed: int, progress: Progress | None,
                  started: float) -> Plan:
     """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
     plan peaks over the budget on every op, solve again with the budget reduced by the excess.
     Once the solver finds no plan (or none in time), the best heuristic plan at the smallest
-    budget it names (or the heuristics reach) is the last try. `loss` is the bytes of a loss
-    computed outside the step (`_with_loss`)."""
-    leaves = _leaf_count(model, inputs)
-    graph = _with_loss(traced.graph, traced, leaves, loss)
+    budget it names (or the heuristics reach) is the last try. `graph` is the traced step
+    with room for a loss of `loss` bytes computed outside it (`_with_loss`)."""
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     if order == "best":
+        leaves = _leaf_count(model, inputs)
         graph = _with_loss(best_order(traced.graph, after_output_gradient(traced.graph, traced, leaves))[0],
-                          traced, leaves, loss)
+                           traced, leaves, loss)
     coarse = coarsen(graph)
     target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):

@@ -269,9 +269,11 @@ def _over_a_value(graph: Graph, v: int) -> bool:
     CPU), so such segments run plainly. Buffer updates (BatchNorm's running statistics)
     replay on scratch copies, and writes into a fresh allocation (dropout's mask) replay
     the same way, so neither counts."""
-    root = int(graph.storage_root[graph.alias_of[v]]) if graph.alias_of[v] >= 0 else v
+    if not _in_place(graph, v):
+        return False
+    root = int(graph.storage_root[graph.alias_of[v]])
     fresh = graph.ops[root].split(".")[0] in ("empty", "empty_like", "new_empty")
-    return _in_place(graph, v) and not (graph.pinned[root] or graph.output[root] or fresh)
+    return not (graph.pinned[root] or graph.output[root] or fresh)
 
 
 def _segments(program: np.ndarray, saved: np.ndarray, last_forward_read: np.ndarray) -> list[tuple[int, int]]:
