@@ -38,7 +38,10 @@ class Traced:
     """A traced training step: the fx graph and the Graph built from it.
 
     `output_spec` is the pytree structure of the model's output; `output_leaves` holds,
-    per leaf, the name of the fx node producing it or the constant itself. `gradients`
+    per leaf, the name of the fx node producing it or the constant itself. `grad_of`
+    gives, per Graph node, the forward node whose autograd node ran it in the backward
+    (-1 for forward nodes and for backward ops autograd runs between nodes, such as the
+    sums of gradients); a saved tensor is saved by that autograd node. `gradients`
     names the parameters whose gradients the step returns, in order; `tangents` lists
     which tensor leaves of the output take a gradient as an input of the step (none when
     a loss function is folded in).
@@ -48,6 +51,7 @@ class Traced:
     graph: Graph
     output_spec: TreeSpec
     output_leaves: tuple[Any, ...]
+    grad_of: np.ndarray
     gradients: tuple[str, ...] = ()
     tangents: tuple[int, ...] = ()
 
@@ -101,7 +105,7 @@ def trace(
             roots, root_grads = [loss_fn(out)], None
         else:
             roots, root_grads = _grad_leaves(out), grad_outputs
-        with _phase("backward"):
+        with _phase("backward"), _tag_grad_fns(roots):
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
         structure["results"] = len(tree_leaves((roots, grads)))
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
@@ -124,8 +128,9 @@ def trace(
     returned = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     results, produced = returned[:structure["results"]], iter(node.name for node in returned[structure["results"]:])
     leaves = tuple(next(produced) if value is None else value for value in structure["leaves"])
-    return Traced(gm, _to_graph(gm, placeholder_kinds, param_names, costs, results),
-                  structure["spec"], leaves, structure["gradients"], structure["tangents"])
+    graph = _to_graph(gm, placeholder_kinds, param_names, costs, results)
+    return Traced(gm, graph, structure["spec"], leaves, _grad_of(gm, graph), structure["gradients"],
+                  structure["tangents"])
 
 
 def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor], *,
@@ -201,6 +206,51 @@ def _phase(name: str) -> Iterator[None]:
         yield
     finally:
         _set_custom(phase="forward")
+
+
+@contextmanager
+def _tag_grad_fns(roots: list[torch.Tensor]) -> Iterator[None]:
+    """Tag the ops each autograd node runs in the backward with its sequence number, which
+    the forward ops that created it carry as `seq_nr`."""
+    def enter(seq_nr: int) -> Callable:
+        return lambda grad_outputs: _set_custom(grad_of=seq_nr)
+
+    def leave(grad_inputs: Any, grad_outputs: Any) -> None:
+        _set_custom(grad_of=None)
+
+    handles, seen = [], set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        handles += [fn.register_prehook(enter(fn._sequence_nr())), fn.register_hook(leave)]
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    try:
+        yield
+    finally:
+        _set_custom(grad_of=None)
+        for handle in handles:
+            handle.remove()
+
+
+def _grad_of(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
+    """Per Graph node, the forward op whose autograd node ran it (see `Traced`): the first
+    forward op with that sequence number, as later ops that create no autograd node
+    repeat the last one."""
+    index = {name: i for i, name in enumerate(graph.names)}
+    creator: dict[int, int] = {}
+    grad_of = np.full(graph.n, -1, dtype=np.int64)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.name not in index:
+            continue
+        seq_nr = node.meta.get("custom", {}).get(f"{_MARK}_grad_of")
+        if seq_nr is not None:
+            grad_of[index[node.name]] = creator.get(seq_nr, -1)
+        elif not graph.backward[index[node.name]] and "seq_nr" in node.meta:
+            creator.setdefault(node.meta["seq_nr"], index[node.name])
+    return grad_of
 
 
 @contextmanager

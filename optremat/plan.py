@@ -253,7 +253,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     def solved() -> Plan:
         if forward is None:
             return _solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
-        return _solve_checkpoint(model, graph, forward, budget_bytes, **options)
+        return _solve_checkpoint(model, graph, forward, traced.grad_of, budget_bytes, **options)
 
     if cache is None:
         return solved()
@@ -353,8 +353,9 @@ def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph,
                         len(dict(model.named_buffers())), len(tree_leaves(inputs)), shared)
 
 
-def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, budget_bytes: int, *, solver: str,
-                      time_limit: float, workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
+def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, grad_of: np.ndarray, budget_bytes: int, *,
+                      solver: str, time_limit: float, workers: int, seed: int, progress: Progress | None,
+                      started: float) -> Plan:
     """Solve on the coarsened graph, lower to segments, and keep the cheapest plan that fits;
     segment-shaped keep sets compete, and stand alone when the solver finds no plan."""
     index = {name: i for i, name in enumerate(graph.names)}
@@ -371,9 +372,9 @@ def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, budget_b
         kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
     except (InfeasibleBudget, TimeoutError):
         pass
-    candidates = [(solution is not None, *fit(graph, kept, program, budget_bytes))]
+    candidates = [(solution is not None, *fit(graph, kept, program, grad_of, budget_bytes))]
     for keep_set in boundary_keep_sets(graph, program) + module_keep_sets(graph, program):
-        lowered = lower(graph, keep_set, program)
+        lowered = lower(graph, keep_set, program, grad_of)
         candidates.append((False, lowered, simulate(graph, lowered.schedule)))
     fitting = [c for c in candidates if c[2].peak_bytes <= budget_bytes]
     if not fitting:

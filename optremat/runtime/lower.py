@@ -3,11 +3,12 @@
 A plan says which forward tensors are kept for the backward. The checkpoint runtime
 realises it with segments of consecutive forward ops: a segment ends where every tensor
 crossing the boundary is kept anyway, so the next segment's inputs cost nothing extra.
-Inside a checkpointed segment the kept tensors that the backward or the recomputation
-reads are saved (saving one that nothing reads would only hold memory); the dropped tensors the backward
-reads, and the dropped ancestors they need within the segment, are recomputed all at once
-when the backward first reads one of the segment's tensors; each recomputed tensor then
-lives until its last backward reader. A tensor the plan drops but that the runtime
+Inside a checkpointed segment the kept tensors that the segment's own autograd nodes or
+the recomputation read are saved (saving one that nothing reads would only hold memory);
+the dropped tensors the backward reads, and the dropped ancestors they need within the
+segment, are recomputed all at once when the first of the segment's autograd nodes that
+saved a tensor runs; each recomputed tensor then lives until its last backward reader,
+and the segment's inputs until the last of those nodes has run. A tensor the plan drops but that the runtime
 must keep (it sits in a segment with nothing to recompute, it is read by a later
 segment's backward, or an in-place op later overwrites it) is kept, and the lowered
 schedule says so: every number reported for a plan is the lowered schedule's.
@@ -54,8 +55,9 @@ def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
     return kept
 
 
-def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
-    """Segments that realise `kept` for the forward ops `program` (graph indices, run order)."""
+def lower(graph: Graph, kept: np.ndarray, program: np.ndarray, grad_of: np.ndarray) -> Lowering:
+    """Segments that realise `kept` for the forward ops `program` (graph indices, run order);
+    `grad_of` names, per backward op, the forward op whose autograd node runs it."""
     n, m = graph.n, len(program)
     position = np.full(n, -1, dtype=np.int64)
     position[program] = np.arange(m)
@@ -63,8 +65,7 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
     base = graph.storage_root
 
     backward_reads, last_forward_read, hidden = _readers(graph, position, m)
-    read_by_backward = np.zeros(n, dtype=bool)
-    read_by_backward[base[[v for v in range(n) if backward_reads[v]]]] = True
+    unpacks, ran = _unpacks(graph, grad_of)
 
     saved = np.asarray(kept, dtype=bool).copy()
     saved[_overwritten(graph, program)] = False
@@ -89,20 +90,23 @@ def lower(graph: Graph, kept: np.ndarray, program: np.ndarray) -> Lowering:
         if not needed:
             lowered.append(Segment(start, stop))
             continue
-        t = min(s for v in members for s in backward_reads[v])
+        frame = sorted(s for v in members for s in unpacks[v])
+        t = frame[0] if frame else min(s for v in members for s in backward_reads[v])
+        released = min(max([t] + [s + 1 for v in members for s in ran[v]]), n - 1)
         recompute.setdefault(t, []).extend(needed + [a for v in needed for a in hidden[v]])
         for v in members:
             for p in graph.preds[v].tolist():
                 if not start <= position[p] < stop:
-                    held[p] = max(held.get(p, t), t)
+                    held[p] = max(held.get(p, released), released)
         read = {int(base[p]) for u in needed for p in graph.preds[u].tolist()}
-        stored = frozenset(graph.names[v] for v in members
-                           if saved[v] and (read_by_backward[base[v]] or base[v] in read))
+        read |= {int(base[p]) for s in frame for p in graph.preds[s].tolist() if not graph.backward[p]}
+        stored = frozenset(graph.names[v] for v in members if saved[v] and base[v] in read)
         lowered.append(Segment(start, stop, stored, frozenset(graph.names[v] for v in needed)))
     return Lowering(tuple(lowered), _schedule(graph, recompute, held), saved)
 
 
-def fit(graph: Graph, kept: np.ndarray, program: np.ndarray, budget: int) -> tuple[Lowering, SimResult]:
+def fit(graph: Graph, kept: np.ndarray, program: np.ndarray, grad_of: np.ndarray,
+        budget: int) -> tuple[Lowering, SimResult]:
     """The lowering of `kept` less the shortest prefix of the benefit order (most bytes
     per recompute-second first) whose simulated peak fits `budget`, or, when none fits,
     the one that drops the whole order (the least peak this search reaches)."""
@@ -111,7 +115,7 @@ def fit(graph: Graph, kept: np.ndarray, program: np.ndarray, budget: int) -> tup
     def attempt(count: int) -> tuple[Lowering, SimResult]:
         dropped = np.asarray(kept, dtype=bool).copy()
         dropped[order[:count]] = False
-        lowering = lower(graph, dropped, program)
+        lowering = lower(graph, dropped, program, grad_of)
         return lowering, simulate(graph, lowering.schedule)
 
     best = attempt(0)
@@ -208,6 +212,19 @@ def _readers(graph: Graph, position: np.ndarray, m: int) -> tuple[list[list[int]
     return backward_reads, last, hidden
 
 
+def _unpacks(graph: Graph, grad_of: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+    """Per forward op, the backward ops its autograd node runs that read a forward tensor
+    (under checkpoint, those unpack what the node saved), and all the ops it runs (once
+    the last has run, the node releases what it saved)."""
+    unpacks: list[list[int]] = [[] for _ in range(graph.n)]
+    ran: list[list[int]] = [[] for _ in range(graph.n)]
+    for s in np.nonzero(graph.backward & (grad_of >= 0))[0].tolist():
+        ran[int(grad_of[s])].append(s)
+        if any(not graph.backward[p] for p in graph.preds[s].tolist()):
+            unpacks[int(grad_of[s])].append(s)
+    return unpacks, ran
+
+
 def _last_read(graph: Graph, program: np.ndarray) -> np.ndarray:
     """Per program position, the last position whose op reads that op's storage in the
     forward (len(program) for reads after the program)."""
@@ -291,7 +308,8 @@ def _segments(program: np.ndarray, saved: np.ndarray, last_forward_read: np.ndar
 
 def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int]) -> Schedule:
     """Each node in its own stage, plus the recomputations; copies live until their last
-    reader, and a checkpointed segment's inputs until its recomputation (`held`)."""
+    reader, and a checkpointed segment's inputs until its autograd nodes release them (`held`:
+    the stage they are freed at the start of)."""
     n = graph.n
     until = np.arange(n)
     again: dict[tuple[int, int], int] = {}
