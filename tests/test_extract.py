@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from optremat import ExtractionError, extract, keep_all, simulate
+from optremat.extract import trace
 from optremat.models import BUILDERS, build
 from optremat.runtime.measure import measure_step
 
@@ -55,6 +56,19 @@ def test_saved_tensors_only():
     read = {storage(p) for p in g.preds[bwd].tolist()}
     forward_read = {i for i in read if not g.backward[i]}
     assert forward_read == {relu}
+
+
+def test_backward_ops_name_the_forward_op_whose_autograd_node_runs_them():
+    """What a checkpointed segment's autograd nodes unpack decides when it recomputes."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.Tanh())
+    traced = trace(model, (torch.randn(4, 8),), lambda y: y.sum())
+    g, grad_of = traced.graph, traced.grad_of
+    owner = {g.ops[i]: g.ops[grad_of[i]] for i in range(g.n) if g.backward[i] and grad_of[i] >= 0}
+    assert owner["threshold_backward.default"] == "relu.default"
+    assert owner["tanh_backward.default"] == "tanh.default"
+    mms = [g.ops[grad_of[i]] for i in range(g.n) if g.ops[i] == "mm.default"]
+    assert mms and set(mms) == {"addmm.default"}
+    assert (grad_of[~g.backward] == -1).all()
 
 
 def test_without_loss_the_output_gradient_is_an_input():
