@@ -1,12 +1,13 @@
 """The whole comparison suite in one command; writes benchmarks/RESULTS.md and its plots.
 
-    python -m benchmarks.run --quick     # about 13 minutes on 2 CPU cores
+    python -m benchmarks.run --quick     # about 25 minutes on 2 CPU cores
     python -m benchmarks.run --full      # hours: larger models, every budget, longer solver limits
     python -m benchmarks.run --quick --graphs ../shared/graphs --sections peers,planners
     python -m benchmarks.run --full --sections scaling --out scaling.md   # one section, its own file
 
 Sections: `peers` (measured: no remat, per-block checkpointing, PyTorch's
-activation_memory_budget, optremat at each peer's measured peak), `planners` (every
+activation_memory_budget, optremat at each peer's measured peak), `runtime` (measured:
+both runtimes' peak and step time against the plan's), `planners` (every
 planner on the built-in models at each budget, simulated; Pareto plots), `published`
 (the Checkmate / Moccasin graphs), `vgg19` (Checkmate's max-batch result), `batch`
 (largest batch at a fixed memory), `scaling` (solve time vs graph size), `layout` (arena
@@ -21,13 +22,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import layout, max_batch, peers, planners
+from benchmarks import layout, max_batch, peers, planners, runtime
 from optremat.bench import PLANNERS
 from benchmarks.report import machine, table
 from optremat.plots import plot_lines
 
 HERE = Path(__file__).parent
-SECTIONS = ("peers", "planners", "published", "vgg19", "batch", "scaling", "layout")
+SECTIONS = ("peers", "runtime", "planners", "published", "vgg19", "batch", "scaling", "layout")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Config:
     peer_fractions: tuple[float, ...]
     runs: int
     peer_limit: float
+    runtime_models: tuple[str, ...]
+    runtime_limit: float
     plan_models: tuple[str, ...]
     plan_fractions: tuple[float, ...]
     plan_limit: float
@@ -48,11 +51,14 @@ class Config:
 
 
 QUICK = Config(peer_models=("gpt-mini", "resnet-mini"), torch_budgets=(0.5, 0.1), peer_fractions=(0.5,), runs=5,
-               peer_limit=10, plan_models=("gpt-small", "resnet", "unet", "vgg"), plan_fractions=(0.9, 0.7, 0.5, 0.3),
+               peer_limit=10, runtime_models=tuple(runtime.DEFAULT_MODELS.split(",")), runtime_limit=20,
+               plan_models=("gpt-small", "resnet", "unet", "vgg"), plan_fractions=(0.9, 0.7, 0.5, 0.3),
                plan_limit=15, published_limit=5, batch_cases=(("gpt-small", "16GiB"), ("resnet", "16GiB")),
                batch_limit=3, scaling_layers=(50, 125, 250), scaling_limit=5)
 FULL = Config(peer_models=("gpt-mini", "resnet-mini", "gpt-small", "resnet"), torch_budgets=(0.7, 0.5, 0.3, 0.1, 0.0),
-              peer_fractions=(0.7, 0.5, 0.3), runs=7, peer_limit=30, plan_models=("gpt-small", "resnet", "unet", "vgg"),
+              peer_fractions=(0.7, 0.5, 0.3), runs=7, peer_limit=30,
+              runtime_models=tuple(runtime.DEFAULT_MODELS.split(",")) + ("gpt-small", "resnet"), runtime_limit=30,
+              plan_models=("gpt-small", "resnet", "unet", "vgg"),
               plan_fractions=planners.FRACTIONS, plan_limit=60, published_limit=60,
               batch_cases=(("gpt-small", "16GiB"), ("resnet", "16GiB"), ("unet", "16GiB"), ("vgg", "16GiB")),
               batch_limit=10, scaling_layers=(50, 125, 250, 500, 1000, 2500), scaling_limit=60)
@@ -124,6 +130,13 @@ def main() -> None:
                 f"{config.peer_limit:g} s. Peaks are the CPU profiler's memory events, parameters and inputs included. "
                 "`vs` names the baseline of the overhead.", "", peers.rockmate_status(), "", every, "", caption,
                 "", "![memory over time](memory_over_time.png)")
+    if "runtime" in sections:
+        section("Plans executed: predicted vs measured peak and step time (both runtimes)",
+                f"Models {', '.join(config.runtime_models)}, both runtimes, at 30–90% of the unplanned peak; "
+                f"solver limit {config.runtime_limit:g} s; {config.runs} interleaved timing pairs. "
+                f"{runtime.DESCRIPTION}", "",
+                runtime.section(list(config.runtime_models), ["checkpoint", "exact"], [0.3, 0.5, 0.7, 0.9],
+                                config.runtime_limit, config.runs))
     if "planners" in sections:
         text = planners.models_section(list(config.plan_models), config.plan_limit, config.plan_fractions, cells)
         section("Every planner on the built-in models (simulated)",

@@ -18,7 +18,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -29,6 +29,29 @@ from optremat.runtime.measure import measure_peak
 
 OUT = Path(__file__).with_name("runtime.md")
 DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
+HEADER = ["model", "runtime", "budget", "plan", "predicted peak", "measured peak", "measured vs predicted",
+          "measured / budget", "predicted overhead", "measured overhead (median)", "plan s"]
+DESCRIPTION = ("Budgets are fractions of the unplanned simulated peak (parameters and gradients included); where one "
+               "is infeasible, a last row plans at the smallest budget the planner reached. Both runtimes plan with "
+               "the model's loss (the exact runtime runs it outside the step and leaves room for its memory). "
+               "Measured peaks are profiler memory events (float32, CPU); overhead is the median over interleaved "
+               "planned/unplanned step pairs.")
+
+
+def section(models: list[str], runtimes: list[str], budgets: list[float], limit: float, runs: int,
+            written: Callable[[str], None] | None = None) -> str:
+    """The table of every model, runtime and budget; `written`, when given, receives the
+    table so far after each row, so a long run leaves its finished rows behind."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    print("  ".join(HEADER), flush=True)
+    for name in models:
+        for runtime in runtimes:
+            for cells in rows(name, runtime, budgets, limit, runs):
+                print("  ".join(cells), flush=True)
+                lines.append("| " + " | ".join(cells) + " |")
+                if written is not None:
+                    written("\n".join(lines))
+    return "\n".join(lines)
 
 
 def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int) -> Iterator[list[str]]:
@@ -93,25 +116,13 @@ def main() -> None:
     parser.add_argument("--out", default="runtime.md", help="file name under benchmarks/")
     args = parser.parse_args()
     out = OUT.with_name(args.out)
-    header = ["model", "runtime", "budget", "plan", "predicted peak", "measured peak", "measured vs predicted",
-              "measured / budget", "predicted overhead", "measured overhead (median)", "plan s"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    print("  ".join(header), flush=True)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     intro = (f"# Runtimes: predicted vs measured (CPU, float32; {args.models})\n\n"
              f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
              f"--runtimes {args.runtimes} --budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
-             f"--out {args.out}`. Budgets are fractions of the unplanned simulated peak (parameters and gradients "
-             "included); where one is infeasible, a last row plans at the smallest budget the planner reached. "
-             "Both runtimes plan with the model's loss (the exact runtime runs it outside the step and leaves room "
-             "for its memory). Measured peaks are profiler memory events; overhead is the median over interleaved "
-             "planned/unplanned step pairs.\n\n")
-    for name in args.models.split(","):
-        for runtime in args.runtimes.split(","):
-            for cells in rows(name, runtime, [float(b) for b in args.budgets.split(",")], args.limit, args.runs):
-                print("  ".join(cells), flush=True)
-                lines.append("| " + " | ".join(cells) + " |")
-                out.write_text(intro + "\n".join(lines) + "\n")
+             f"--out {args.out}`. {DESCRIPTION}\n\n")
+    section(args.models.split(","), args.runtimes.split(","), [float(b) for b in args.budgets.split(",")],
+            args.limit, args.runs, lambda text: out.write_text(intro + text + "\n"))
     print(f"wrote {out}")
 
 
