@@ -8,10 +8,10 @@ the recomputation read are saved (saving one that nothing reads would only hold 
 the dropped tensors the backward reads, and the dropped ancestors they need within the
 segment, are recomputed all at once when the first of the segment's autograd nodes that
 saved a tensor runs; each recomputed tensor then lives until its last backward reader,
-and the segment's inputs until the last of those nodes has run. A tensor the plan drops but that the runtime
-must keep (it sits in a segment with nothing to recompute, it is read by a later
-segment's backward, or an in-place op later overwrites it) is kept, and the lowered
-schedule says so: every number reported for a plan is the lowered schedule's.
+and the segment's inputs until the last of those nodes has run. A tensor the plan drops
+but that the runtime must keep (it sits in a segment with nothing to recompute, it is
+read by a later segment's backward, or an in-place op later overwrites it) is kept, and
+the lowered schedule says so: every number reported for a plan is the lowered schedule's.
 """
 
 from __future__ import annotations
