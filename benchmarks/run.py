@@ -165,9 +165,10 @@ def main() -> None:
     if "scaling" in sections:
         times: dict = {}
         text = planners.scaling_section(config.scaling_limit, config.scaling_layers, times)
-        plot_lines(HERE / "solve_time.png", times, "solve time vs graph size (budget 50%)", "nodes", "seconds", log=True)
+        plot = "solve_time.png" if args.out == "RESULTS.md" else f"solve_time_{Path(args.out).stem}.png"
+        plot_lines(HERE / plot, times, "solve time vs graph size (budget 50%)", "nodes", "seconds", log=True)
         section("Solve time vs graph size (random residual training graphs, budget 50%)", text, "",
-                "![solve time](solve_time.png)", "",
+                f"![solve time]({plot})", "",
                 "The chain DP on training chains at 30% of the unplanned peak: overhead and time with its default "
                 "block limit (longer chains are planned over merged blocks), with every layer a block where that "
                 "is affordable (the DP's time grows with the cube of the blocks), and the best other heuristic.", "",
