@@ -283,9 +283,10 @@ def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, 
                  started: float) -> Plan:
     """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
     plan peaks over the budget on every op, solve again with the budget reduced by the excess.
-    Once the solver finds no plan (or none in time), the best heuristic plan at the smallest
-    budget it names (or the heuristics reach) is the last try. `graph` is the traced step
-    with room for a loss of `loss` bytes computed outside it (`_with_loss`)."""
+    Once the solver finds no plan (or none in time), the best heuristic plan within the
+    budget, or else at the smallest budget the solver names (or the heuristics reach), is
+    the last try. `graph` is the traced step with room for a loss of `loss` bytes computed
+    outside it (`_with_loss`)."""
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     if order == "best":
         leaves = _leaf_count(model, inputs)
@@ -300,12 +301,15 @@ def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, 
             solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
                              progress=progress)
         except (InfeasibleBudget, TimeoutError) as error:
-            least = error.smallest if isinstance(error, InfeasibleBudget) else best_heuristic(coarse.coarse, target)[1]
-            if least is None:
-                raise
-            solution, exhausted = best_heuristic(coarse.coarse, least)[0], True
+            solution, least = ((None, error.smallest) if isinstance(error, InfeasibleBudget)
+                               else best_heuristic(coarse.coarse, target))
+            if solution is None and least is not None:
+                solution = best_heuristic(coarse.coarse, least)[0]
             if solution is None:
+                if least is None:
+                    raise
                 raise InfeasibleBudget(budget_bytes, least, f"{solver} (on the coarsened graph)") from None
+            exhausted = True
         fine = coarse.expand(solution.schedule)
         result = simulate(coarse.fine, fine, share=True)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
