@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from optremat.ilp.bounds import recompute_lower_bound
+from optremat.ilp.bounds import solver_floor
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.graph import Graph
 from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror, split_lifetimes
@@ -71,9 +71,9 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
 
     `auto` runs the heuristics, hands the best to CP-SAT as a hint (raising `copies` to
     what the hint uses, up to MAX_COPIES) and returns the best plan found within
-    `time_limit`, never worse than the hint (a hint beyond the model's copies that still
-    wins is returned with `recompute_lower_bound`'s bound alone, which holds for every
-    plan). Every returned schedule
+    `time_limit` (heuristics, bound and model building included), never worse than the
+    hint (a hint beyond the model's copies that still wins is returned with
+    `solver_floor`'s bound alone, which holds for every plan). Every returned schedule
     has a simulated peak within budget; an impossible budget raises InfeasibleBudget
     naming the smallest feasible one.
     """
@@ -105,11 +105,11 @@ def _solve(graph: Graph, budget: int | float | str, solver: str, time_limit: flo
     if seed_plan is not None and hint is None:
         hint = seed_plan.schedule
         copies = max(copies, min(int(np.bincount(hint.node).max()), MAX_COPIES))
-    remaining = max(time_limit - (time.perf_counter() - started), 1.0)
+    remaining = max(time_limit - (time.perf_counter() - started), 0.0)
     def fallback(bound: float | None = None) -> Solution:
         """The seed plan, with `bound` if it holds for it, else the bound every plan obeys."""
         if bound is None and not share:
-            bound = graph.total_cost + recompute_lower_bound(graph, budget_bytes)
+            bound = graph.total_cost + solver_floor(graph, budget_bytes, time_limit, share)
         optimal = bound is not None and seed_plan.cost <= bound + 1e-9 * graph.total_cost
         return replace(seed_plan, seconds=time.perf_counter() - started, lower_bound=bound,
                        status=OPTIMAL if optimal else HEURISTIC if bound is None else FEASIBLE)

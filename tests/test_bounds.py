@@ -1,7 +1,8 @@
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from optremat import keep_all, simulate
+from optremat import Graph, keep_all, simulate
 from optremat.ilp.bounds import recompute_lower_bound
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
@@ -30,3 +31,10 @@ def test_an_instant_that_cannot_fit_gives_an_infinite_bound():
     chain = training_chain([1.0] * 4, [8] * 4)
     assert recompute_lower_bound(chain, 8) == float("inf")
     assert optimum(chain, 8) is None
+
+
+def test_a_tensor_dropped_between_two_pairs_of_its_uses_is_paid_for_twice():
+    g = Graph.build(cost=[1.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0], size=[10, 10, 0, 0, 10, 0, 0],
+                    edges=[(1, 2), (0, 3), (4, 5), (0, 6)], output=[False, False, True, True, False, True, True])
+    assert recompute_lower_bound(g, 10) == pytest.approx(2.0, rel=1e-5)
+    assert optimum(g, 10)[0] - g.total_cost == pytest.approx(2.0)

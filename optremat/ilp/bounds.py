@@ -6,10 +6,12 @@ after t; the units t reads or writes, the parameters and inputs, and the outputs
 far are live for certain. Where those bytes (with t's workspace) exceed the budget, some
 of the others must be recomputed, each at the cost of the op that computes it (spread
 over its units by bytes, so dropping some of an op's units is never priced above the
-op). Choosing, per unit, whether it is ever dropped, the cheapest choice that covers
-every instant's excess is a covering LP whose optimum bounds every schedule's extra
-cost. Solvers use it where their own bound is weaker: CP-SAT's proves little on graphs of
-a few hundred nodes.
+op). A unit dropped between two of its uses is computed again before the second, so
+drops between different pairs of uses are paid separately. Choosing, per unit and gap
+between its uses, whether it is dropped there, the cheapest choice that covers every
+instant's excess is a covering LP whose optimum bounds every schedule's extra cost.
+Solvers use it where their own bound is weaker: CP-SAT's proves little on graphs of a
+few hundred nodes.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ LP_NONZEROS = 2_000_000
 """Covering LPs larger than this are replaced by their strongest single row (the bound
 of the worst instant alone), which needs no solver."""
 LP_SECONDS = 5.0
-"""GLOP's limit; an LP it does not solve in time leaves the single-row bound."""
+"""GLOP's longest limit; an LP it does not solve in time leaves the single-row bound."""
+LP_SHARE = 0.25
+"""Most of a solver's time limit its covering-LP bound may take."""
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """Per instant with an excess: the units that may be dropped there, and the excess."""
+    """Per instant with an excess: the (unit, gap between uses) pairs that may be dropped
+    there, and the excess; per pair, its unit's cost per byte and size."""
 
     cost_per_byte: np.ndarray
     size: np.ndarray
@@ -38,9 +43,10 @@ class _Rows:
     infeasible: bool
 
 
-def recompute_lower_bound(graph: Graph, budget: int) -> float:
+def recompute_lower_bound(graph: Graph, budget: int, seconds: float = LP_SECONDS) -> float:
     """Least extra cost (beyond one computation of every node) of any schedule whose peak
-    is at most `budget` bytes; `inf` when some instant cannot fit at all."""
+    is at most `budget` bytes; `inf` when some instant cannot fit at all. The LP gets at
+    most `seconds`."""
     found = _rows(graph, budget)
     if found.infeasible:
         return float("inf")
@@ -49,7 +55,7 @@ def recompute_lower_bound(graph: Graph, budget: int) -> float:
     single = max(_cover(found.cost_per_byte[units], found.size[units], excess) for units, excess in found.rows)
     if sum(len(units) for units, _ in found.rows) > LP_NONZEROS:
         return single
-    return max(single, _covering_lp(found))
+    return max(single, _covering_lp(found, seconds))
 
 
 def _rows(graph: Graph, budget: int) -> _Rows:
@@ -61,6 +67,7 @@ def _rows(graph: Graph, budget: int) -> _Rows:
     position = {int(u): k for k, u in enumerate(units)}
     last = op.copy()
     made_output = np.full(len(units), graph.n)
+    used_at: list[set[int]] = [set() for _ in range(graph.n)]
     for h in range(graph.n):
         read_until = max(graph.succs[h].tolist(), default=h)
         for u in graph.units[h]:
@@ -69,9 +76,21 @@ def _rows(graph: Graph, budget: int) -> _Rows:
                 last[k] = max(last[k], read_until)
                 if graph.output[h]:
                     made_output[k] = min(made_output[k], h)
+                for w in graph.succs[h].tolist() + [h]:
+                    used_at[w].add(k)
+    uses = np.zeros(len(units), dtype=np.int64)
+    for w in range(graph.n):
+        uses[list(used_at[w])] += 1
+    first_gap = np.concatenate([[0], np.cumsum(uses + 1)[:-1]])
+    gap_unit = np.repeat(np.arange(len(units)), uses + 1)
+    passed = np.zeros(len(units), dtype=np.int64)
     resident = graph.pinned[op]
     rows = []
-    for t in np.nonzero(~graph.pinned)[0].tolist():
+    for t in range(graph.n):
+        if t:
+            passed[list(used_at[t - 1])] += 1
+        if graph.pinned[t]:
+            continue
         must = resident | (made_output <= t)
         for h in graph.preds[t].tolist() + [t]:
             for u in graph.units[h]:
@@ -82,8 +101,8 @@ def _rows(graph: Graph, budget: int) -> _Rows:
         if excess > 0:
             if size[crossing].sum() < excess:
                 return _Rows(cost_per_byte, size, [], True)
-            rows.append((crossing, excess))
-    return _Rows(cost_per_byte, size, rows, False)
+            rows.append((first_gap[crossing] + passed[crossing], excess))
+    return _Rows(cost_per_byte[gap_unit], size[gap_unit], rows, False)
 
 
 def _cover(cost_per_byte: np.ndarray, size: np.ndarray, excess: float) -> float:
@@ -95,11 +114,11 @@ def _cover(cost_per_byte: np.ndarray, size: np.ndarray, excess: float) -> float:
     return paid + (excess - (freed[whole - 1] if whole else 0.0)) * float(cost_per_byte[order][whole])
 
 
-def _covering_lp(found: _Rows) -> float:
+def _covering_lp(found: _Rows, seconds: float) -> float:
     """The covering LP's optimum with GLOP, shaded by its tolerance so it stays a bound;
     0 when GLOP does not solve it."""
     solver = pywraplp.Solver.CreateSolver("GLOP")
-    solver.SetTimeLimit(int(LP_SECONDS * 1000))
+    solver.SetTimeLimit(max(int(seconds * 1000), 1))
     used = np.unique(np.concatenate([units for units, _ in found.rows]))
     unit_cost = found.cost_per_byte * found.size
     scale = float(unit_cost[used].sum()) or 1.0
@@ -112,8 +131,15 @@ def _covering_lp(found: _Rows) -> float:
     return max(0.0, solver.Objective().Value() - 1e-6) * scale
 
 
-def tighten(graph: Graph, budget: int, cost: float, lower_bound: float, optimal: bool) -> tuple[float, bool]:
-    """A solver's (lower bound, optimal) on total cost, raised by `recompute_lower_bound`:
-    a plan whose cost meets the raised bound is optimal whatever the solver proved."""
-    bound = max(lower_bound, graph.total_cost + recompute_lower_bound(graph, budget))
+def solver_floor(graph: Graph, budget: int, time_limit: float, share: bool) -> float:
+    """The `recompute_lower_bound` a solver limited to `time_limit` seconds starts from;
+    0 with `share`, which the bound does not model."""
+    return 0.0 if share else recompute_lower_bound(graph, budget, min(LP_SECONDS, LP_SHARE * time_limit))
+
+
+def tighten(graph: Graph, cost: float, lower_bound: float, optimal: bool, extra: float) -> tuple[float, bool]:
+    """A solver's (lower bound, optimal) on total cost, raised by `extra`, a
+    `recompute_lower_bound`: a plan whose cost meets the raised bound is optimal whatever
+    the solver proved."""
+    bound = max(lower_bound, graph.total_cost + extra)
     return bound, optimal or cost <= bound + 1e-9 * graph.total_cost

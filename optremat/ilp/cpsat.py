@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from optremat.ilp.bounds import tighten
+from optremat.ilp.bounds import solver_floor, tighten
 from optremat.budget import InfeasibleBudget
 from optremat.graph import Graph
 from optremat.schedule import Schedule, from_computations, simulate
@@ -83,6 +83,12 @@ class _IntervalModel:
         self._add_memory()
         self.extra_cost = sum(round(float(graph.cost[v]) * self.scale) * c.present
                               for v in range(n) for c in self.copies[v][1:])
+
+    def integer_floor(self, extra: float) -> int:
+        """The largest value of the integer objective that no plan costing at least
+        `extra` beyond one computation of every node can go below, rounding included."""
+        optional = sum(len(c) - 1 for c in self.copies)
+        return max(int(np.floor(extra * self.scale * (1 - 1e-9) - 0.5 * optional)) - 1, 0)
 
     def _add_copies(self, copies: int) -> None:
         g, m, n, H = self.graph, self.model, self.graph.n, self.horizon
@@ -284,6 +290,19 @@ class _IntervalModel:
                 for (p, _, k, d), z in self.shares.items() if solver.boolean_value(z)}
 
 
+LEAST_SECONDS = 0.5
+"""Time CP-SAT gets even when building its model used up the limit, so that a hinted
+solve can still return its hint."""
+RESERVE = 0.02
+"""Share of the limit kept for stopping and reading the plan back: on 5,001 nodes CP-SAT
+stops 0.4 s after its limit and the schedule takes another 0.1 s to read and price."""
+
+
+def _left(time_limit: float, started: float) -> float:
+    """What is left of `time_limit` since `started`: solver limits cover model building."""
+    return max(time_limit * (1 - RESERVE) - (time.perf_counter() - started), LEAST_SECONDS)
+
+
 PRESOLVE_LIMIT = 1000
 """Graphs with more nodes skip CP-SAT's presolve when a hint is given: on 5,000 nodes
 presolve alone outlasts a minute, while the hinted plan is accepted in 2 s without it."""
@@ -301,8 +320,10 @@ def _presolve(model: _IntervalModel, hinted: bool) -> str:
     return "light" if len(model.model.proto.variables) > LIGHT_PRESOLVE_VARIABLES else "full"
 
 
-def _parameters(solver: cp_model.CpSolver, time_limit: float, workers: int, seed: int, deterministic: bool,
-                presolve: str = "full") -> None:
+def _parameters(solver: cp_model.CpSolver, time_limit: float, started: float, workers: int, seed: int,
+                deterministic: bool, presolve: str = "full") -> None:
+    """Deterministic runs get `time_limit` of deterministic time, so that they repeat;
+    others get what is left of it since `started`."""
     params = solver.parameters
     params.cp_model_presolve = presolve != "none"
     if presolve == "light":
@@ -314,7 +335,7 @@ def _parameters(solver: cp_model.CpSolver, time_limit: float, workers: int, seed
         params.interleave_search = True
         params.max_deterministic_time = time_limit
     else:
-        params.max_time_in_seconds = time_limit
+        params.max_time_in_seconds = _left(time_limit, started)
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):
@@ -339,14 +360,17 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
     passes with no plan found and no proof either way.
     """
     started = time.perf_counter()
-    model = _IntervalModel(graph, copies, budget, share)
-    if model.capacity < 0:
+    if budget < graph.pinned_bytes:
         raise InfeasibleBudget(budget, graph.pinned_bytes, "cpsat", proven=True)
+    extra = solver_floor(graph, budget, time_limit, share)
+    model = _IntervalModel(graph, copies, budget, share)
     model.model.minimize(model.extra_cost)
+    if np.isfinite(extra):
+        model.model.add(model.extra_cost >= model.integer_floor(extra))
     if hint is not None:
         model.hint(hint)
     solver = cp_model.CpSolver()
-    _parameters(solver, time_limit, workers, seed, deterministic, _presolve(model, hint is not None))
+    _parameters(solver, time_limit, started, workers, seed, deterministic, _presolve(model, hint is not None))
     reporter = _Reporter(progress, graph.total_cost, model.scale) if progress else None
     status = solver.solve(model.model, reporter)
     if status == cp_model.MODEL_INVALID:
@@ -361,7 +385,7 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
     cost = simulate(graph, schedule, share=frozenset(shared)).cost
     bound, optimal = graph.total_cost + solver.best_objective_bound / model.scale, status == cp_model.OPTIMAL
     if not share:
-        bound, optimal = tighten(graph, budget, cost, bound, optimal)
+        bound, optimal = tighten(graph, cost, bound, optimal, extra)
     return Solution(schedule=schedule, solver="cpsat", status=OPTIMAL if optimal else FEASIBLE, cost=cost,
                     lower_bound=bound, seconds=time.perf_counter() - started, copies=copies, shared=shared)
 
@@ -379,7 +403,7 @@ def min_peak_cpsat(graph: Graph, *, max_overhead: float | None = None, time_limi
     if hint is not None:
         model.hint(hint)
     solver = cp_model.CpSolver()
-    _parameters(solver, time_limit, workers, seed, deterministic, _presolve(model, hint is not None))
+    _parameters(solver, time_limit, started, workers, seed, deterministic, _presolve(model, hint is not None))
     status = solver.solve(model.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise TimeoutError(f"cpsat found no plan within {time_limit:g} s ({solver.status_name(status)})")

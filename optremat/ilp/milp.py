@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from optremat.ilp.bounds import tighten
+from optremat.ilp.bounds import solver_floor, tighten
 from optremat.budget import InfeasibleBudget
 from optremat.ilp.cpsat import infeasible
 from optremat.graph import Graph
@@ -99,9 +99,10 @@ def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sch
     started = time.perf_counter()
     if budget < graph.pinned_bytes:
         raise InfeasibleBudget(budget, graph.pinned_bytes, "ilp", proven=True)
+    extra = solver_floor(graph, budget, time_limit, share)
     model = _model(graph, budget, backend, integral=True, share=share)
     solver = model.solver
-    solver.SetTimeLimit(int(time_limit * 1000))
+    solver.SetTimeLimit(max(int((time_limit - (time.perf_counter() - started)) * 1000), 1))
     if workers:
         solver.SetNumThreads(workers)
     if hint is not None:
@@ -118,7 +119,7 @@ def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sch
     cost = simulate(graph, schedule, share=frozenset(shared)).cost
     bound, optimal = solver.Objective().BestBound(), status == pywraplp.Solver.OPTIMAL
     if not share:
-        bound, optimal = tighten(graph, budget, cost, bound, optimal)
+        bound, optimal = tighten(graph, cost, bound, optimal, extra)
     return Solution(schedule=schedule, solver="ilp", status=OPTIMAL if optimal else FEASIBLE, cost=cost,
                     lower_bound=bound, seconds=time.perf_counter() - started, shared=shared)
 
