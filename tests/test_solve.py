@@ -5,7 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
-from optremat.solve import HEURISTICS
+from optremat.solve import HEURISTICS, best_heuristic
+from optremat.synthetic import random_training_graph
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
 
@@ -28,6 +29,16 @@ def test_auto_is_never_worse_than_any_heuristic(fraction):
             continue
         assert auto.cost <= other.cost + 1e-9, name
     assert auto.status in ("OPTIMAL", "FEASIBLE")
+    assert auto.lower_bound <= auto.cost + 1e-9
+
+
+def test_a_limit_the_heuristics_use_up_still_returns_a_plan_no_worse_than_theirs():
+    g = random_training_graph(50)
+    budget = resolve_budget(g, 0.5)
+    seed, _ = best_heuristic(g, budget)
+    auto = solve(g, budget, time_limit=0.01)
+    assert simulate(g, auto.schedule).peak_bytes <= budget
+    assert auto.cost <= seed.cost + 1e-9
     assert auto.lower_bound <= auto.cost + 1e-9
 
 
