@@ -38,9 +38,10 @@ FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
 
 def models_section(names: list[str], limit: float, fractions: tuple[float, ...] = FRACTIONS,
-                   cells: dict[tuple[str, float], dict[str, str]] | None = None) -> str:
+                   cells: dict[tuple[str, float], dict[str, str]] | None = None, plot_suffix: str = "") -> str:
     """The table of every planner at every budget; `cells`, when given, receives each
-    row's cells by (model, fraction) for the headline table."""
+    row's cells by (model, fraction) for the headline table. Plots go to
+    overhead_<model><plot_suffix>.png."""
     header = ["model", "ops / coarse", "budget"] + list(PLANNERS) + ["auto: status, gap"]
     rows = []
     for name in names:
@@ -59,14 +60,14 @@ def models_section(names: list[str], limit: float, fractions: tuple[float, ...] 
             if cells is not None:
                 cells[name, fraction] = dict(zip(header, row))
             print(" | ".join(row), flush=True)
-        _plot(name, curves)
+        _plot(name, curves, plot_suffix)
     return table(header, rows)
 
 
-def _plot(name: str, curves: dict[str, list[tuple[float, float]]]) -> None:
-    """overhead_<model>.png: overhead vs budget, one line per planner."""
+def _plot(name: str, curves: dict[str, list[tuple[float, float]]], suffix: str = "") -> None:
+    """overhead_<model><suffix>.png: overhead vs budget, one line per planner."""
     lines = {planner: [(100 * f, 100 * v) for f, v in points] for planner, points in curves.items()}
-    plot_lines(HERE / f"overhead_{name}.png", lines, f"{name}: overhead vs budget (simulated)",
+    plot_lines(HERE / f"overhead_{name}{suffix}.png", lines, f"{name}: overhead vs budget (simulated)",
                "budget (% of unplanned peak)", "extra compute (%)", invert_x=True)
 
 

@@ -3,7 +3,7 @@
     python -m benchmarks.run --quick     # about 25 minutes on 2 CPU cores
     python -m benchmarks.run --full      # hours: larger models, every budget, longer solver limits
     python -m benchmarks.run --quick --graphs ../shared/graphs --sections peers,planners
-    python -m benchmarks.run --full --sections scaling --out scaling.md   # one section, its own file
+    python -m benchmarks.run --full --sections planners,published,scaling --out exact.md   # own file and plots
 
 Sections: `peers` (measured: no remat, per-block checkpointing, PyTorch's
 activation_memory_budget, optremat at each peer's measured peak), `runtime` (measured:
@@ -98,7 +98,8 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--graphs", default=str(HERE.resolve().parents[1] / "shared" / "graphs"),
                         help="folder of the published graphs (sections published and vgg19)")
-    parser.add_argument("--out", default="RESULTS.md", help="file name under benchmarks/")
+    parser.add_argument("--out", default="RESULTS.md",
+                        help="file name under benchmarks/; its plots get the name as a suffix")
     args = parser.parse_args()
     config, mode = (FULL, "--full") if args.full else (QUICK, "--quick")
     sections = args.sections.split(",")
@@ -106,6 +107,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown sections {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
     graphs = Path(args.graphs)
+    suffix = "" if args.out == "RESULTS.md" else f"_{Path(args.out).stem}"
     started = time.perf_counter()
     body: list[str] = []
     cells: dict = {}
@@ -138,12 +140,13 @@ def main() -> None:
                 runtime.section(list(config.runtime_models), ["checkpoint", "exact"], [0.3, 0.5, 0.7, 0.9],
                                 config.runtime_limit, config.runs))
     if "planners" in sections:
-        text = planners.models_section(list(config.plan_models), config.plan_limit, config.plan_fractions, cells)
+        text = planners.models_section(list(config.plan_models), config.plan_limit, config.plan_fractions, cells,
+                                       suffix)
         section("Every planner on the built-in models (simulated)",
                 f"Planned on the coarse graph, priced on every op; solver limit {config.plan_limit:g} s. Overhead = extra "
                 "compute over the unplanned step, planner time in brackets; `infeasible (min X)` gives the smallest peak "
                 "that planner reached as a fraction of the unplanned peak (parameters, gradients and inputs count).", "",
-                text, "", " ".join(f"![{n}](overhead_{n}.png)" for n in config.plan_models))
+                text, "", " ".join(f"![{n}](overhead_{n}{suffix}.png)" for n in config.plan_models))
     if "published" in sections or "vgg19" in sections:
         if not graphs.is_dir():
             print(f"published graphs skipped: {graphs} does not exist", flush=True)
@@ -165,7 +168,7 @@ def main() -> None:
     if "scaling" in sections:
         times: dict = {}
         text = planners.scaling_section(config.scaling_limit, config.scaling_layers, times)
-        plot = "solve_time.png" if args.out == "RESULTS.md" else f"solve_time_{Path(args.out).stem}.png"
+        plot = f"solve_time{suffix}.png"
         plot_lines(HERE / plot, times, "solve time vs graph size (budget 50%)", "nodes", "seconds", log=True)
         section("Solve time vs graph size (random residual training graphs, budget 50%)", text, "",
                 f"![solve time]({plot})", "",
