@@ -86,9 +86,12 @@ class _IntervalModel:
 
     def integer_floor(self, extra: float) -> int:
         """The largest value of the integer objective that no plan costing at least
-        `extra` beyond one computation of every node can go below, rounding included."""
-        optional = sum(len(c) - 1 for c in self.copies)
-        return max(int(np.floor(extra * self.scale * (1 - 1e-9) - 0.5 * optional)) - 1, 0)
+        `extra` beyond one computation of every node can go below: each optional copy may
+        be priced below its cost by rounding (not at all when costs are integers)."""
+        scaled = self.graph.cost * self.scale
+        rounded_down = np.maximum(scaled - np.round(scaled), 0.0)
+        slack = sum(float(rounded_down[v]) * (len(c) - 1) for v, c in enumerate(self.copies))
+        return max(int(np.floor(extra * self.scale * (1 - 1e-9) - slack)), 0)
 
     def _add_copies(self, copies: int) -> None:
         g, m, n, H = self.graph, self.model, self.graph.n, self.horizon
