@@ -109,7 +109,7 @@ def _solve(graph: Graph, budget: int | float | str, solver: str, time_limit: flo
     def fallback(bound: float | None = None) -> Solution:
         """The seed plan, with `bound` if it holds for it, else the bound every plan obeys."""
         if bound is None and not share:
-            bound = graph.total_cost + solver_floor(graph, budget_bytes, time_limit, share)
+            bound = graph.total_cost + solver_floor(graph, budget_bytes, time_limit, share=False)
         optimal = bound is not None and seed_plan.cost <= bound + 1e-9 * graph.total_cost
         return replace(seed_plan, seconds=time.perf_counter() - started, lower_bound=bound,
                        status=OPTIMAL if optimal else HEURISTIC if bound is None else FEASIBLE)

@@ -294,14 +294,14 @@ class _IntervalModel:
 
 
 LEAST_SECONDS = 0.5
-"""Time CP-SAT gets even when building its model used up the limit, so that a hinted
+"""Time a solver gets even when building its model used up the limit, so that a hinted
 solve can still return its hint."""
 RESERVE = 0.02
 """Share of the limit kept for stopping and reading the plan back: on 5,001 nodes CP-SAT
 stops 0.4 s after its limit and the schedule takes another 0.1 s to read and price."""
 
 
-def _left(time_limit: float, started: float) -> float:
+def seconds_left(time_limit: float, started: float) -> float:
     """What is left of `time_limit` since `started`: solver limits cover model building."""
     return max(time_limit * (1 - RESERVE) - (time.perf_counter() - started), LEAST_SECONDS)
 
@@ -338,7 +338,7 @@ def _parameters(solver: cp_model.CpSolver, time_limit: float, started: float, wo
         params.interleave_search = True
         params.max_deterministic_time = time_limit
     else:
-        params.max_time_in_seconds = _left(time_limit, started)
+        params.max_time_in_seconds = seconds_left(time_limit, started)
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):

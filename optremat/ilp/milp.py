@@ -23,7 +23,7 @@ from ortools.linear_solver import pywraplp
 
 from optremat.ilp.bounds import solver_floor, tighten
 from optremat.budget import InfeasibleBudget
-from optremat.ilp.cpsat import infeasible
+from optremat.ilp.cpsat import infeasible, seconds_left
 from optremat.graph import Graph
 from optremat.schedule import Schedule, from_computations, from_kept, simulate
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Solution
@@ -102,7 +102,7 @@ def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sch
     extra = solver_floor(graph, budget, time_limit, share)
     model = _model(graph, budget, backend, integral=True, share=share)
     solver = model.solver
-    solver.SetTimeLimit(max(int((time_limit - (time.perf_counter() - started)) * 1000), 1))
+    solver.SetTimeLimit(int(seconds_left(time_limit, started) * 1000))
     if workers:
         solver.SetNumThreads(workers)
     if hint is not None:
