@@ -38,3 +38,10 @@ def test_a_tensor_dropped_between_two_pairs_of_its_uses_is_paid_for_twice():
                     edges=[(1, 2), (0, 3), (4, 5), (0, 6)], output=[False, False, True, True, False, True, True])
     assert recompute_lower_bound(g, 10) == pytest.approx(2.0, rel=1e-5)
     assert optimum(g, 10)[0] - g.total_cost == pytest.approx(2.0)
+
+
+def test_a_costly_tensor_is_never_half_dropped():
+    g = Graph.build(cost=[10.0, 8.0, 1.0, 1.0, 1.0], size=[20, 10, 10, 0, 0], edges=[(2, 3), (0, 4), (1, 4)],
+                    output=[False, False, False, True, True])
+    assert recompute_lower_bound(g, 30) == pytest.approx(8.0, rel=1e-5)
+    assert optimum(g, 30)[0] - g.total_cost == pytest.approx(8.0)

@@ -9,9 +9,9 @@ over its units by bytes, so dropping some of an op's units is never priced above
 op). A unit dropped between two of its uses is computed again before the second, so
 drops between different pairs of uses are paid separately. Choosing, per unit and gap
 between its uses, whether it is dropped there, the cheapest choice that covers every
-instant's excess is a covering LP whose optimum bounds every schedule's extra cost.
-Solvers use it where their own bound is weaker: CP-SAT's proves little on graphs of a
-few hundred nodes.
+instant's excess is a covering problem whose optimum bounds every schedule's extra cost,
+since each schedule's drops are one of its solutions. Solvers use it where their own
+bound is weaker: CP-SAT's proves little on graphs of a few hundred nodes.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from ortools.linear_solver import pywraplp
 
 from optremat.graph import Graph
 
-LP_NONZEROS = 2_000_000
-"""Covering LPs larger than this are replaced by their strongest single row (the bound
-of the worst instant alone), which needs no solver."""
-LP_SECONDS = 5.0
-"""GLOP's longest limit; an LP it does not solve in time leaves the single-row bound."""
-LP_SHARE = 0.25
-"""Most of a solver's time limit its covering-LP bound may take."""
+COVER_NONZEROS = 2_000_000
+"""Covering problems larger than this are replaced by their strongest single row (the
+bound of the worst instant alone), which needs no solver."""
+COVER_SECONDS = 5.0
+"""SCIP's longest limit; it then gives the bound it has proved so far."""
+COVER_SHARE = 0.25
+"""Most of a solver's time limit its covering bound may take."""
 
 
 @dataclass(frozen=True)
@@ -43,19 +43,19 @@ class _Rows:
     infeasible: bool
 
 
-def recompute_lower_bound(graph: Graph, budget: int, seconds: float = LP_SECONDS) -> float:
-    """Least extra cost (beyond one computation of every node) of any schedule whose peak
-    is at most `budget` bytes; `inf` when some instant cannot fit at all. The LP gets at
-    most `seconds`."""
+def recompute_lower_bound(graph: Graph, budget: int, seconds: float = COVER_SECONDS) -> float:
+    """A lower bound on the extra cost (beyond one computation of every node) of any
+    schedule whose peak is at most `budget` bytes; `inf` when some instant cannot fit at
+    all. The covering problem gets at most `seconds`."""
     found = _rows(graph, budget)
     if found.infeasible:
         return float("inf")
     if not found.rows:
         return 0.0
     single = max(_cover(found.cost_per_byte[units], found.size[units], excess) for units, excess in found.rows)
-    if sum(len(units) for units, _ in found.rows) > LP_NONZEROS:
+    if sum(len(units) for units, _ in found.rows) > COVER_NONZEROS:
         return single
-    return max(single, _covering_lp(found, seconds))
+    return max(single, _covering_program(found, seconds))
 
 
 def _rows(graph: Graph, budget: int) -> _Rows:
@@ -114,27 +114,30 @@ def _cover(cost_per_byte: np.ndarray, size: np.ndarray, excess: float) -> float:
     return paid + (excess - (freed[whole - 1] if whole else 0.0)) * float(cost_per_byte[order][whole])
 
 
-def _covering_lp(found: _Rows, seconds: float) -> float:
-    """The covering LP's optimum with GLOP, shaded by its tolerance so it stays a bound;
-    0 when GLOP does not solve it."""
-    solver = pywraplp.Solver.CreateSolver("GLOP")
+def _covering_program(found: _Rows, seconds: float) -> float:
+    """The covering problem's least cost with every drop whole, as SCIP proves it within
+    `seconds`: its dual bound, shaded by its tolerance so it stays a bound (0 when SCIP
+    proves nothing). Whole drops matter: the LP relaxation half-drops a costly unit where
+    any real plan pays for all of it or for a dearer mix of others."""
+    solver = pywraplp.Solver.CreateSolver("SCIP")
     solver.SetTimeLimit(max(int(seconds * 1000), 1))
     used = np.unique(np.concatenate([units for units, _ in found.rows]))
     unit_cost = found.cost_per_byte * found.size
     scale = float(unit_cost[used].sum()) or 1.0
-    dropped = {int(u): solver.NumVar(0.0, 1.0, f"x{u}") for u in used.tolist()}
+    dropped = {int(u): solver.BoolVar(f"x{u}") for u in used.tolist()}
     for units, excess in found.rows:
         solver.Add(solver.Sum([float(found.size[u] / excess) * dropped[u] for u in units.tolist()]) >= 1.0)
     solver.Minimize(solver.Sum([float(unit_cost[u] / scale) * x for u, x in dropped.items()]))
-    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+    if solver.Solve() not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.NOT_SOLVED):
         return 0.0
-    return max(0.0, solver.Objective().Value() - 1e-6) * scale
+    bound = solver.Objective().BestBound()
+    return max(0.0, bound - 1e-6) * scale if np.isfinite(bound) else 0.0
 
 
 def solver_floor(graph: Graph, budget: int, time_limit: float, share: bool) -> float:
     """The `recompute_lower_bound` a solver limited to `time_limit` seconds starts from;
     0 with `share`, which the bound does not model."""
-    return 0.0 if share else recompute_lower_bound(graph, budget, min(LP_SECONDS, LP_SHARE * time_limit))
+    return 0.0 if share else recompute_lower_bound(graph, budget, min(COVER_SECONDS, COVER_SHARE * time_limit))
 
 
 def tighten(graph: Graph, cost: float, lower_bound: float, optimal: bool, extra: float) -> tuple[float, bool]:
