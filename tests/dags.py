@@ -42,10 +42,12 @@ def graphs(draw: st.DrawFn, max_nodes: int = 12, shared_storage: bool = True, ty
 
 
 @st.composite
-def training_graphs(draw: st.DrawFn, max_layers: int = 8) -> Graph:
+def training_graphs(draw: st.DrawFn, max_layers: int = 8, unsaved_inputs: bool = False) -> Graph:
     """A random training graph: an input, forward ops reading one or two earlier tensors,
     a loss, and per forward op a gradient op reading the gradients of its readers, its
-    inputs and, at times, its own output (as ReLU's backward does)."""
+    inputs and, at times, its own output (as ReLU's backward does). With
+    `unsaved_inputs`, a gradient op may skip some of its op's inputs (as an add's does),
+    so that some tensors are read in the forward pass alone."""
     layers = draw(st.integers(1, max_layers))
     forward_preds = [[0]]
     for i in range(2, layers + 1):
@@ -61,7 +63,8 @@ def training_graphs(draw: st.DrawFn, max_layers: int = 8) -> Graph:
     for i in range(layers, 0, -1):
         g = loss + 1 + (layers - i)
         gradient[i] = g
-        reads = {gradient[r] for r in readers[i]} | set(forward_preds[i - 1])
+        saved = [p for p in forward_preds[i - 1] if not unsaved_inputs or draw(st.booleans())]
+        reads = {gradient[r] for r in readers[i]} | set(saved)
         if draw(st.booleans()):
             reads.add(i)
         edges += [(r, g) for r in reads]

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from optremat import Graph, keep_all, simulate
 from optremat.ilp.bounds import recompute_lower_bound
 from tests.bruteforce import optimum
-from tests.dags import graphs, training_chain
+from tests.dags import graphs, training_chain, training_graphs
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -45,3 +45,12 @@ def test_a_costly_tensor_is_never_half_dropped():
                     output=[False, False, False, True, True])
     assert recompute_lower_bound(g, 30) == pytest.approx(8.0, rel=1e-5)
     assert optimum(g, 30)[0] - g.total_cost == pytest.approx(8.0)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(training_graphs(max_layers=3, unsaved_inputs=True), st.floats(0.3, 1.0))
+def test_the_bound_never_exceeds_the_optimum_of_a_training_step(g, fraction):
+    budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
+    best = optimum(g, budget)
+    if best is not None:
+        assert recompute_lower_bound(g, budget) <= best[0] - g.total_cost + 1e-9
