@@ -2,11 +2,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ortools.sat.python import cp_model
 
-from optremat import Graph, from_kept, keep_all, simulate
+from optremat import Graph, from_kept, keep_all, resolve_budget, simulate
 from optremat.budget import InfeasibleBudget
+from optremat.ilp import cpsat
 from optremat.ilp.cpsat import min_peak_cpsat, solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
+from optremat.synthetic import random_training_graph
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
 
@@ -140,3 +143,29 @@ def test_a_feasible_hint_is_valid_and_the_result_is_no_worse(g, fraction):
             continue
         solution = solve_cpsat(g, budget, hint=hint, copies=g.n, workers=1, time_limit=30)
         assert solution.cost <= result.cost + 1e-9
+
+
+def test_a_stalled_search_restarts_from_its_best_plan_and_never_goes_back(monkeypatch):
+    monkeypatch.setattr(cpsat, "LEAST_STALL", 0.05)
+    monkeypatch.setattr(cpsat, "STALL_SHARE", 0.0)
+    rounds = []
+
+    class CountingSolver(cp_model.CpSolver):
+        def __init__(self) -> None:
+            super().__init__()
+            rounds.append(self)
+
+    monkeypatch.setattr(cpsat.cp_model, "CpSolver", CountingSolver)
+    g = random_training_graph(40)
+    budget = resolve_budget(g, 0.5)
+    reports = []
+    solution = solve_cpsat(g, budget, time_limit=3, workers=1, progress=lambda *report: reports.append(report))
+    assert len(rounds) > 1
+    costs, bounds = [r[1] for r in reports], [r[2] for r in reports]
+    assert all(a > b for a, b in zip(costs, costs[1:])) and bounds == sorted(bounds)
+    assert solution.cost == pytest.approx(costs[-1]) and solution.lower_bound <= solution.cost
+    assert simulate(g, solution.schedule).peak_bytes <= budget
+
+    rounds.clear()
+    solve_cpsat(g, budget, time_limit=1, workers=1, deterministic=True)
+    assert len(rounds) == 1
