@@ -344,10 +344,10 @@ def _parameters(solver: cp_model.CpSolver, time_limit: float, started: float, wo
 
 STALL_SHARE = 0.15
 """A search that finds no better plan for this share of its limit (LEAST_STALL seconds at
-least) starts again from its best plan with the next seed: on resnet at 50% five
-one-minute searches ended at 6.18–7.75% overhead, three of them stalled above 6.9% for
-15 s or more, while fresh searches hinted with a 7.75% plan reached 6.18% within 7 s in
-five runs of five."""
+least) starts again from its best plan with the next seed: on resnet at 50% one-minute
+searches ended at 6.18–7.75% overhead, each after 15 s or more without a better plan,
+while fresh searches hinted with a 7.75% plan reached 6.18% within 7 s in five runs of
+five."""
 LEAST_STALL = 5.0
 RESTART_NODES = 1000
 """Larger graphs keep one search: on the 1,001-node random training graph at 50%,
