@@ -143,11 +143,11 @@ def scaling_section(limit: float, layer_counts: tuple[int, ...] = (50, 125, 250,
             times.setdefault("cpsat: first plan", []).append((graph.n, firsts[0] if firsts else s.seconds))
             times.setdefault("cpsat: best in limit", []).append((graph.n, s.seconds))
         except (InfeasibleBudget, TimeoutError) as error:
-            row += ["none", type(error).__name__]
+            row += ["none", _failure(error, limit)]
         try:
             row.append(_overhead(graph, solve(graph, budget, solver="auto", time_limit=limit)))
         except (InfeasibleBudget, TimeoutError) as error:
-            row.append(type(error).__name__)
+            row.append(_failure(error, limit))
         slowest, best = 0.0, None
         for name in HEURISTICS:
             start = time.perf_counter()
@@ -165,7 +165,7 @@ def scaling_section(limit: float, layer_counts: tuple[int, ...] = (50, 125, 250,
                 row.append(_overhead(graph, s))
                 times.setdefault("ilp", []).append((graph.n, s.seconds))
             except (InfeasibleBudget, TimeoutError) as error:
-                row.append(type(error).__name__)
+                row.append(_failure(error, limit))
         else:
             row.append("skipped (O(n²) variables)")
         rows.append(row)
@@ -212,6 +212,10 @@ def chain_section(fraction: float = 0.3, layer_counts: tuple[int, ...] = (100, 1
 def _overhead(graph: Graph, solution) -> str:
     bound = "" if solution.lower_bound is None else f" (≥{solution.lower_bound / graph.total_cost - 1:.2%})"
     return f"{solution.cost / graph.total_cost - 1:.2%}{bound}, {solution.seconds:.1f} s"
+
+
+def _failure(error: Exception, limit: float) -> str:
+    return "infeasible" if isinstance(error, InfeasibleBudget) else f"no plan in {limit:g} s"
 
 
 def main() -> None:

@@ -148,6 +148,7 @@ def test_a_feasible_hint_is_valid_and_the_result_is_no_worse(g, fraction):
 def test_a_stalled_search_restarts_from_its_best_plan_and_never_goes_back(monkeypatch):
     monkeypatch.setattr(cpsat, "LEAST_STALL", 0.05)
     monkeypatch.setattr(cpsat, "STALL_SHARE", 0.0)
+    monkeypatch.setattr(cpsat, "RESTART_GAP", 0.0)
     rounds = []
 
     class CountingSolver(cp_model.CpSolver):
@@ -168,4 +169,9 @@ def test_a_stalled_search_restarts_from_its_best_plan_and_never_goes_back(monkey
 
     rounds.clear()
     solve_cpsat(g, budget, time_limit=1, workers=1, deterministic=True)
+    assert len(rounds) == 1
+
+    monkeypatch.setattr(cpsat, "RESTART_GAP", 1.0)
+    rounds.clear()
+    solve_cpsat(g, budget, time_limit=1, workers=1)
     assert len(rounds) == 1
