@@ -346,7 +346,7 @@ STALL_SHARE = 0.15
 """A search that finds no better plan for this share of its limit (LEAST_STALL seconds at
 least) starts again from its best plan with the next seed: on resnet at 50%, one-minute
 searches stall for 15 s or more at 6.96–8.53% overhead, and reach 6.18% (0.73% from the
-bound) in 12 of 14 runs with restarts against 2 of 5 without."""
+bound) in 12 of 15 runs with restarts against 2 of 5 without."""
 LEAST_STALL = 5.0
 RESTART_GAP = 0.01
 """Searches within this gap of their bound run on uninterrupted, since a restart also
