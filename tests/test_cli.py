@@ -35,6 +35,15 @@ def test_bad_inputs_exit_2_with_one_line():
     assert unknown.stderr.strip().count("\n") == 0
 
 
+def test_a_node_link_graph_file(tmp_path):
+    from tests.test_graph import checkmate_flavour
+
+    (tmp_path / "g.json").write_text(json.dumps(checkmate_flavour()))
+    result = run("graph", "--graph", str(tmp_path / "g.json"), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["nodes"] == 4
+
+
 def test_published_graph():
     path = GRAPHS / "vgg16_b256_224x224_train.json"
     if not path.exists():

@@ -70,6 +70,46 @@ def test_save_load(tmp_path):
     assert Graph.load(tmp_path / "g.json").fingerprint == g.fingerprint
 
 
+def checkmate_flavour() -> dict:
+    """Node-link JSON shaped like Checkmate's Keras extractions: ids already topological."""
+    nodes = [{"id": i, "name": f"op{i}", "cost_cpu": 10 + i, "cost_ram": 100 * (i + 1), "backward": i >= 2}
+             for i in range(4)]
+    links = [{"source": a, "target": b} for a, b in [(0, 1), (1, 2), (0, 3), (2, 3)]]
+    return {"directed": True, "multigraph": False, "graph": {}, "nodes": nodes, "links": links}
+
+
+def test_a_checkmate_flavoured_graph_loads_with_its_costs_sizes_and_backward_flags(tmp_path):
+    (tmp_path / "g.json").write_text(json.dumps(checkmate_flavour()))
+    g = Graph.load(tmp_path / "g.json")
+    assert sorted(map(tuple, g.edges.tolist())) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    assert g.cost.tolist() == [10, 11, 12, 13] and g.size.tolist() == [100, 200, 300, 400]
+    assert g.backward.tolist() == [False, False, True, True] and g.names[2] == "op2"
+
+
+def test_a_random_layered_graph_is_numbered_in_its_stated_order(tmp_path):
+    nodes = [{"id": 10, "duration": 1.5, "out_cost": 7}, {"id": 5, "duration": 2.0, "out_cost": 3},
+             {"id": 7, "duration": 0.5, "out_cost": 9}]
+    links = [{"0": 5, "1": 10}, {"0": 10, "1": 7}, {"0": 5, "1": 7}]
+    data = {"directed": True, "graph": {"order": [5, 10, 7]}, "nodes": nodes, "links": links}
+    (tmp_path / "g.json").write_text(json.dumps(data))
+    g = Graph.load(tmp_path / "g.json")
+    assert sorted(map(tuple, g.edges.tolist())) == [(0, 1), (0, 2), (1, 2)]
+    assert g.cost.tolist() == [2.0, 1.5, 0.5] and g.size.tolist() == [3, 7, 9]
+    assert not g.backward.any()
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"nodes": {}}, "node-link"),
+    ({"graph": {"order": [0]}, "nodes": [{"id": 0, "duration": 1, "out_cost": 1},
+                                         {"id": 1, "duration": 1, "out_cost": 1}], "links": []}, "permutation"),
+    ({"nodes": [{"id": 0, "flops": 1}], "links": []}, "unknown node attributes"),
+])
+def test_a_malformed_node_link_graph_is_refused(tmp_path, data, message):
+    (tmp_path / "g.json").write_text(json.dumps(data))
+    with pytest.raises(GraphError, match=message):
+        Graph.load(tmp_path / "g.json")
+
+
 @pytest.mark.parametrize("name, nodes, edges", [
     ("vgg16_b256_224x224_train", 45, 87),
     ("resnet50_b256_224x224_train", 353, 751),
