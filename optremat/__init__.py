@@ -3,8 +3,10 @@
 from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.extract import ExtractionError, extract
 from optremat.graph import Graph, GraphError
-from optremat.plan import Plan, PlanMismatch, plan
-from optremat.runtime.checkpoint import Planned, apply
+from optremat.plan import Plan, plan
+from optremat.regions import Region
+from optremat.runtime.apply import Planned, apply, remove
+from optremat.runtime.native import PlanMismatch
 from optremat.schedule import (InvalidSchedule, Schedule, SimResult, from_computations, from_kept, keep_all,
                                recompute_all, simulate)
 from optremat.solution import Solution
@@ -21,6 +23,7 @@ __all__ = [
     "Plan",
     "PlanMismatch",
     "Planned",
+    "Region",
     "Schedule",
     "SOLVERS",
     "SimResult",
@@ -32,6 +35,7 @@ __all__ = [
     "keep_all",
     "plan",
     "recompute_all",
+    "remove",
     "resolve_budget",
     "simulate",
     "solve",

@@ -27,7 +27,7 @@ from optremat.coarsen import Coarsened, coarsen
 from optremat.graph import Graph, format_bytes
 from optremat.heuristics import NotAChain
 from optremat.plan import plan
-from optremat.runtime.checkpoint import apply
+from optremat.runtime.apply import apply
 from optremat.runtime.measure import measure_peak
 from optremat.schedule import keep_all, simulate
 from optremat.solve import HEURISTICS, solve

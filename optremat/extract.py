@@ -54,6 +54,9 @@ class Traced:
     grad_of: np.ndarray
     gradients: tuple[str, ...] = ()
     tangents: tuple[int, ...] = ()
+    calls: tuple[tuple[tuple[str, int], ...], ...] = ()
+    random: tuple[bool, ...] = ()
+    mutated_buffers: tuple[str, ...] = ()
 
 
 _MARK = "optremat"
@@ -129,8 +132,12 @@ def trace(
     results, produced = returned[:structure["results"]], iter(node.name for node in returned[structure["results"]:])
     leaves = tuple(next(produced) if value is None else value for value in structure["leaves"])
     graph = _to_graph(gm, placeholder_kinds, param_names, costs, results)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    nodes = [by_name[name] for name in graph.names]
+    calls = tuple(() if graph.backward[i] else _call_stack(node) for i, node in enumerate(nodes))
+    random = tuple(torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) for node in nodes)
     return Traced(gm, graph, structure["spec"], leaves, _grad_of(gm, graph), structure["gradients"],
-                  structure["tangents"])
+                  structure["tangents"], calls, random, _mutated_buffers(gm, list(params), list(buffers)))
 
 
 def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor], *,
@@ -255,18 +262,24 @@ def _grad_of(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
 
 @contextmanager
 def _module_paths(model: nn.Module) -> Iterator[Callable[[], str]]:
-    """Tag traced nodes with the path of the module running them."""
-    stack = [""]
+    """Tag traced nodes with the path of the module running them and the stack of module
+    calls (path, call number) around them."""
+    stack: list[tuple[str, int]] = [("", 0)]
+    count: dict[str, int] = {}
+
+    def tag() -> None:
+        _set_custom(module=stack[-1][0], calls="|".join(f"{path}#{k}" for path, k in stack[1:]))
 
     def enter(path: str) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            stack.append(path)
-            _set_custom(module=path)
+            stack.append((path, count.get(path, 0)))
+            count[path] = count.get(path, 0) + 1
+            tag()
         return hook
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         stack.pop()
-        _set_custom(module=stack[-1])
+        tag()
 
     handles = []
     for path, module in model.named_modules():
@@ -274,10 +287,38 @@ def _module_paths(model: nn.Module) -> Iterator[Callable[[], str]]:
             handles.append(module.register_forward_pre_hook(enter(path)))
             handles.append(module.register_forward_hook(leave))
     try:
-        yield lambda: stack[-1]
+        yield lambda: stack[-1][0]
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _call_stack(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:
+    text = node.meta.get("custom", {}).get(f"{_MARK}_calls", "")
+    return tuple((path, int(k)) for path, _, k in (item.rpartition("#") for item in text.split("|") if item))
+
+
+_BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
+
+
+def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The fx nodes whose tensors `node` writes in place."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    name = schema.name.removeprefix("aten::")
+    if name in _BATCH_NORMS and len(node.args) > 5 and node.args[5] is True:
+        written += [3, 4]
+    return [node.args[i] for i in written if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
+
+
+def _mutated_buffers(gm: torch.fx.GraphModule, params: list[str], buffers: list[str]) -> tuple[str, ...]:
+    """Names of the buffers that forward ops write in place."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = dict(zip(placeholders[len(params):len(params) + len(buffers)], buffers))
+    written = {names[p] for n in gm.graph.nodes if n.op == "call_function" for p in mutated_inputs(n) if p in names}
+    return tuple(sorted(written))
 
 
 def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:

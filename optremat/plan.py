@@ -1,14 +1,11 @@
 """`plan()`: from a model, example inputs and a budget to a Plan a runtime executes.
 
-The solvers plan on the coarsened graph. For the exact runtime the plan runs on every op
-as it is. For the checkpoint runtime its keep set is lowered to checkpoint segments and
-every number a Plan reports (peak, overhead) is the lowered schedule's, simulated on
-every op. When lowering pushes the peak over the budget (the runtime
-recomputes a segment at once, where the solver may place each recomputation just before
-its use), more tensors are dropped, most bytes per recompute-second first, until it fits;
-keep sets built for segments (Chen-style boundaries where the fewest bytes cross, and
-module boundaries as in per-block checkpointing) compete too, and the cheapest plan that
-fits wins ("segments" names a plan of the latter kind).
+The solvers plan on the coarsened graph. The native runtime (the default) runs module
+calls of the user's model under checkpoint with selective policies, so its plans are
+region plans: the solver's keep set is lowered to regions and competes with region plans
+built for the budget (`optremat.regions.search`), every candidate priced on every op as
+the runtime executes it, and the cheapest that fits wins. The exact runtime runs the
+solver's schedule op by op as it is.
 """
 
 from __future__ import annotations
@@ -32,39 +29,37 @@ from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
 from optremat.ilp.layout import ALIGNMENT, layout
 from optremat.order import best_order
+from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.runtime.exact import after_output_gradient
-from optremat.runtime.lower import boundary_keep_sets, fit, kept_for_backward, lower, module_keep_sets
-from optremat.runtime.program import Program, Segment
+from optremat.runtime.native import model_fingerprint
 from optremat.schedule import Schedule, keep_all, simulate
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
 from optremat.solve import SOLVERS, best_heuristic, solve
 
-FORMAT_VERSION = 2
-RUNTIMES = ("checkpoint", "exact")
+FORMAT_VERSION = 3
+RUNTIMES = ("native", "exact")
 EXACT_ATTEMPTS = 3
 """Solves tried for the exact runtime, each with the budget reduced by the last plan's excess."""
 
 
-class PlanMismatch(ValueError):
-    """A plan applied to a model (or inputs) it was not made for."""
-
-
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """A plan for one model and input shape: what to keep, what to recompute, and its price.
+    """A plan for one model: what to keep, what to recompute, and its price at one input shape.
 
     `predicted_peak_bytes` and `predicted_overhead` are the simulated numbers of the
-    schedule its `runtime` executes. `status` is OPTIMAL only when the solver
-    proved its plan optimal and lowering lost nothing; `lower_bound` is the solver's
+    schedule its `runtime` executes at the shape it was priced for (`graph`); a native
+    plan's `regions` are keyed by module call and op occurrence, so it runs at any shape
+    (`reprice` prices it at another). `status` is OPTIMAL only when the solver proved its
+    plan optimal and running it as regions lost nothing; `lower_bound` is the solver's
     proven lower bound on the overhead, in the planning model (the coarsened graph, each
-    op computed at most a few times), or None when nothing is proven.
+    op computed at most a few times), or None when nothing is proven. `loss` says how the
+    loss computed after the model was priced.
     """
 
     graph: Graph
     schedule: Schedule
-    segments: tuple[Segment, ...]
-    program: tuple[str, ...]
-    program_fingerprint: str
+    regions: tuple[Region, ...]
+    model_fingerprint: str
     budget_bytes: int
     predicted_peak_bytes: int
     baseline_peak_bytes: int
@@ -75,8 +70,10 @@ class Plan:
     solve_seconds: float
     solver_overhead: float
     training: bool = True
-    runtime: str = "checkpoint"
+    runtime: str = "native"
     shared: tuple[tuple[int, int], ...] = ()
+    mutated_buffers: tuple[str, ...] = ()
+    loss: str = ""
     cached: bool = field(default=False, compare=False)
     executable: Any = field(default=None, repr=False, compare=False)
 
@@ -90,22 +87,19 @@ class Plan:
         result that holds another tensor's storage, or an op the exact runtime runs over
         the storage of an input it is the last to read) or free (the backward never reads it)."""
         graph = self.graph
-        index = {name: i for i, name in enumerate(graph.names)}
-        names = self.program or [graph.names[i] for i in np.nonzero(~graph.backward & ~graph.pinned)[0].tolist()]
-        recomputed = {graph.names[i] for i, s, _ in self.schedule.events if s != i}
-        writes_over = {graph.names[int(self.schedule.node[k])] for k, _ in self.shared}
+        recomputed = {i for i, s, _ in self.schedule.events if s != i}
+        writes_over = {int(self.schedule.node[k]) for k, _ in self.shared}
         read_by_backward = np.zeros(graph.n, dtype=bool)
         src, dst = graph.edges[:, 0], graph.edges[:, 1]
         read_by_backward[src[graph.backward[dst]]] = True
         out = {}
-        for name in names:
-            i = index[name]
-            if name in recomputed:
-                out[name] = "recompute"
-            elif (graph.alias_of[i] >= 0 and not graph.is_part[i]) or name in writes_over:
-                out[name] = "share"
+        for i in np.nonzero(~graph.backward & ~graph.pinned)[0].tolist():
+            if i in recomputed:
+                out[graph.names[i]] = "recompute"
+            elif (graph.alias_of[i] >= 0 and not graph.is_part[i]) or i in writes_over:
+                out[graph.names[i]] = "share"
             else:
-                out[name] = "keep" if read_by_backward[i] else "free"
+                out[graph.names[i]] = "keep" if read_by_backward[i] else "free"
         return out
 
     def summary(self) -> str:
@@ -115,10 +109,11 @@ class Plan:
             counts[decision] += 1
         bound = "" if self.lower_bound is None else f", proven overhead >= {self.lower_bound:.2%}"
         lost = self.predicted_overhead - self.solver_overhead
-        lowering = f" ({lost:+.2%} from lowering to checkpoint segments)" if abs(lost) > 5e-5 else ""
-        segments = (f"{sum(s.checkpointed for s in self.segments)} of {len(self.segments)} segments checkpointed"
-                    if self.runtime == "checkpoint"
-                    else f"exact runtime (op by op; {len(self.shared)} ops write over inputs they read last)")
+        lowering = f" ({lost:+.2%} from running it as module regions)" if abs(lost) > 5e-5 else ""
+        selective = sum(bool(r.saved) for r in self.regions)
+        how = (f"{len(self.regions)} module calls checkpointed, {selective} of them saving chosen ops"
+               if self.runtime == "native"
+               else f"exact runtime (op by op; {len(self.shared)} ops write over inputs they read last)")
         arena = layout(self.graph, self.schedule, "greedy")
         return "\n".join([
             f"budget {format_bytes(self.budget_bytes)}: predicted peak {format_bytes(self.predicted_peak_bytes)} "
@@ -128,7 +123,8 @@ class Plan:
             f"solver {self.solver}: {self.status}{bound}, {self.solve_seconds:.2f} s"
             + (" (loaded from the plan cache)" if self.cached else ""),
             f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
-            f"{counts['free']} freed early; {segments}",
+            f"{counts['free']} freed early; {how}",
+            f"loss: {self.loss}",
             f"memory layout: an arena of {format_bytes(arena.arena_bytes)} (greedy by size, {arena.fragmentation:+.1%} "
             f"over the {format_bytes(arena.live_bytes)} live at most, allocations aligned to {ALIGNMENT} bytes)",
         ])
@@ -153,16 +149,32 @@ class Plan:
                          f"{where}: {reasons[decisions[name]]}")
         return "\n".join(lines)
 
+    def reprice(self, model: nn.Module, example_inputs: Sequence[Any] | Any,
+                loss_fn: Callable[[Any], torch.Tensor] | None = None) -> "Plan":
+        """This native plan's regions priced at other inputs' shapes: the same decisions,
+        with the peak and overhead they have there (the budget becomes that peak)."""
+        if self.runtime != "native":
+            raise ValueError("only native plans run at other shapes; plan the exact runtime again")
+        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        traced = trace(model, inputs, loss_fn, device=_model_device(model))
+        rmap = _region_map(traced, model)
+        priced = price(rmap, *kept_of(rmap, self.regions), "reprice")
+        return replace(self, graph=traced.graph, schedule=priced.lowering.schedule,
+                       budget_bytes=priced.result.peak_bytes, predicted_peak_bytes=priced.result.peak_bytes,
+                       baseline_peak_bytes=simulate(traced.graph, keep_all(traced.graph)).peak_bytes,
+                       predicted_overhead=priced.result.overhead, solver_overhead=priced.result.overhead,
+                       loss=_loss_note(loss_fn), cached=False)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": "optremat.plan",
             "version": FORMAT_VERSION,
             "graph": self.graph.to_json(),
             "schedule": self.schedule.to_json(),
-            "segments": [[s.start, s.stop, None if s.saved is None else sorted(s.saved), sorted(s.recomputed)]
-                         for s in self.segments],
-            "program": list(self.program),
-            "program_fingerprint": self.program_fingerprint,
+            "regions": [r.to_json() for r in self.regions],
+            "model_fingerprint": self.model_fingerprint,
+            "mutated_buffers": list(self.mutated_buffers),
+            "loss": self.loss,
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "baseline_peak_bytes": self.baseline_peak_bytes,
@@ -184,13 +196,12 @@ class Plan:
         if data.get("version") != FORMAT_VERSION:
             raise ValueError(f"plan format version {data.get('version')} is not supported "
                              f"(this optremat reads {FORMAT_VERSION}); plan again")
-        segments = tuple(Segment(start, stop, None if saved is None else frozenset(saved), frozenset(recomputed))
-                         for start, stop, saved, recomputed in data["segments"])
-        fields = {k: v for k, v in data.items() if k not in ("format", "version", "graph", "schedule", "segments",
-                                                             "program", "shared")}
+        fields = {k: v for k, v in data.items() if k not in ("format", "version", "graph", "schedule", "regions",
+                                                             "shared", "mutated_buffers")}
         return cls(graph=Graph.from_json(data["graph"]), schedule=Schedule.from_json(data["schedule"]),
-                   segments=segments, program=tuple(data["program"]),
-                   shared=tuple((int(k), int(p)) for k, p in data["shared"]), **fields)
+                   regions=tuple(Region.from_json(r) for r in data["regions"]),
+                   shared=tuple((int(k), int(p)) for k, p in data["shared"]),
+                   mutated_buffers=tuple(data["mutated_buffers"]), **fields)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as versioned JSON (atomically: a reader never sees half a plan)."""
@@ -207,7 +218,7 @@ class Plan:
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
-         progress: Progress | None = None, cache: str | Path | None = None, runtime: str = "checkpoint",
+         progress: Progress | None = None, cache: str | Path | None = None, runtime: str = "native",
          order: str = "traced") -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
@@ -218,11 +229,12 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     on the overhead). `cache`, a directory, keeps plans across runs: a second call for the
     same model, shapes, budget and options loads the plan and runs no solver.
 
-    `runtime` picks what executes the plan, and so what is planned: "checkpoint" (segments
-    of the forward under torch.utils.checkpoint; `loss_fn` folds the loss into what is
-    planned) or "exact" (the whole step op by op, so the solver's schedule runs as it is;
-    the loss runs outside it, and `loss_fn` makes the plan leave room for the loss's
-    memory). With the exact runtime, `order="best"` also lets the step run its independent
+    `runtime` picks what executes the plan, and so what is planned: "native" (module calls
+    of the user's model under checkpoint with selective policies; `loss_fn` folds the loss
+    into what is planned) or "exact" (the whole traced step op by op, so the solver's
+    schedule runs as it is; the loss runs outside it, and `loss_fn` makes the plan leave
+    room for the loss's memory). Without `loss_fn` the output's gradient is priced as an
+    input of the backward and the loss as holding nothing more; `summary()` says so. With the exact runtime, `order="best"` also lets the step run its independent
     ops in another order where that lowers the unplanned peak (`optremat.order.best_order`).
     """
     if solver not in SOLVERS:
@@ -236,7 +248,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     device_name = device or _model_device(model)
-    folded = loss_fn if runtime == "checkpoint" else None
+    folded = loss_fn if runtime == "native" else None
     traced = trace(model, inputs, folded, cost_model=cost_model, device=device_name)
     loss = 0 if loss_fn is None or folded else loss_bytes(model, inputs, loss_fn, device=device_name)
     graph = _with_loss(traced.graph, traced, _leaf_count(model, inputs), loss)
@@ -245,28 +257,30 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     if budget_bytes < floor:
         raise ValueError(f"budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} of parameters, "
                          f"inputs and gradients that every step holds; {ACCEPTED}, at least that")
-    forward = program_of(model, traced, inputs) if runtime == "checkpoint" else None
-    fingerprint = graph.fingerprint if forward is None else forward.fingerprint
     options = dict(solver=solver, time_limit=time_limit, workers=workers, seed=seed, started=started,
                    progress=None if progress is None else _relative(progress, graph.total_cost))
 
     def solved() -> Plan:
-        if forward is None:
-            return _solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
-        return _solve_checkpoint(model, graph, forward, traced.grad_of, budget_bytes, **options)
+        if runtime == "exact":
+            found = _solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
+        else:
+            found = _solve_native(_region_map(traced, model), budget_bytes, **options)
+        return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
+                       mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn))
 
     if cache is None:
         return solved()
     from optremat.cache import PlanCache
 
     store = PlanCache(cache)
-    key = store.key(graph=graph.fingerprint, program=fingerprint, budget=budget_bytes, solver=solver,
+    key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
                     seed=seed, cost_model=cost_model, device=str(device_name), training=model.training,
                     runtime=runtime, order=order, version=_version())
     with store.locked(key):
         hit = store.get(key, time_limit)
         if hit is not None:
-            executable = forward or exact_program(model, traced, inputs, hit.graph, hit.schedule, dict(hit.shared))
+            executable = (exact_program(model, traced, inputs, hit.graph, hit.schedule, dict(hit.shared))
+                          if runtime == "exact" else None)
             return replace(hit, executable=executable, cached=True)
         result = solved()
         store.put(key, result, time_limit)
@@ -315,13 +329,12 @@ def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, 
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
         if result.peak_bytes <= budget_bytes:
             total = graph.total_cost
-            return Plan(graph=coarse.fine, schedule=fine, segments=(), program=(),
-                        program_fingerprint=graph.fingerprint, budget_bytes=budget_bytes,
+            return Plan(graph=coarse.fine, schedule=fine, regions=(), model_fingerprint="", budget_bytes=budget_bytes,
                         predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
                         predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
                         lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
                         solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
-                        training=model.training, runtime="exact", shared=tuple(sorted(result.shared.items())),
+                        runtime="exact", shared=tuple(sorted(result.shared.items())),
                         executable=exact_program(model, traced, inputs, coarse.fine, fine, result.shared))
         if exhausted:
             break
@@ -357,54 +370,74 @@ def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph,
                         len(dict(model.named_buffers())), len(tree_leaves(inputs)), shared)
 
 
-def _solve_checkpoint(model: nn.Module, graph: Graph, forward: Program, grad_of: np.ndarray, budget_bytes: int, *,
-                      solver: str, time_limit: float, workers: int, seed: int, progress: Progress | None,
-                      started: float) -> Plan:
-    """Solve on the coarsened graph, lower to segments, and keep the cheapest plan that fits;
-    segment-shaped keep sets compete, and stand alone when the solver finds no plan."""
-    index = {name: i for i, name in enumerate(graph.names)}
-    program = np.array([index[name] for name in forward.names], dtype=np.int64)
+def _solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit: float,
+                  workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
+    """Solve on the coarsened graph, lower the keep set to module regions, and keep the
+    cheapest region plan that fits; region plans built for the budget compete, and stand
+    alone when the solver finds no plan."""
+    graph = rmap.graph
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     total = graph.total_cost
-    solution = None
-    kept = np.ones(graph.n, dtype=bool)
+    solution, kept = None, None
     try:
         solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
                          progress=progress)
-        kept[:] = False
+        kept = np.zeros(graph.n, dtype=bool)
         kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
     except (InfeasibleBudget, TimeoutError):
         pass
-    candidates = [(solution is not None, *fit(graph, kept, program, grad_of, budget_bytes))]
-    for keep_set in boundary_keep_sets(graph, program) + module_keep_sets(graph, program):
-        lowered = lower(graph, keep_set, program, grad_of)
-        candidates.append((False, lowered, simulate(graph, lowered.schedule)))
-    fitting = [c for c in candidates if c[2].peak_bytes <= budget_bytes]
+    candidates = search(rmap, budget_bytes, kept)
+    fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting:
-        raise InfeasibleBudget(budget_bytes, min(c[2].peak_bytes for c in candidates),
-                               f"{solver} on the checkpoint runtime")
-    from_solver, lowering, result = min(fitting, key=lambda c: c[2].cost)
-    if from_solver:
+        raise InfeasibleBudget(budget_bytes, min(c.result.peak_bytes for c in candidates),
+                               f"{solver} on the native runtime")
+    best: Priced = min(fitting, key=lambda c: c.result.cost)
+    result = best.result
+    if best.source == "solver":
         solver_overhead = solution.cost / total - 1
         lossless = result.overhead <= solver_overhead + 1e-9
         name, status = solution.solver, solution.status if lossless or solution.status != OPTIMAL else FEASIBLE
     else:
         solver_overhead = result.overhead
-        name, status = "segments", FEASIBLE if solution is not None and solution.lower_bound is not None else HEURISTIC
-    return Plan(graph=graph, schedule=lowering.schedule, segments=lowering.segments,
-                program=tuple(forward.names), program_fingerprint=forward.fingerprint,
+        name, status = best.source, FEASIBLE if solution is not None and solution.lower_bound is not None else HEURISTIC
+    return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
                 budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
                 predicted_overhead=result.overhead, solver=name, status=status,
                 lower_bound=None if solution is None or solution.lower_bound is None else solution.lower_bound / total - 1,
-                solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead,
-                training=model.training, executable=forward)
+                solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead)
 
 
-def program_of(model: nn.Module, traced: Any, inputs: tuple) -> Program:
-    """The replayable forward of `model` from its traced step."""
-    return Program(traced, len(dict(model.named_parameters())), len(dict(model.named_buffers())),
-                   len(tree_leaves(inputs)))
+def _region_map(traced: Traced, model: nn.Module) -> RegionMap:
+    sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
+                 for path, module in model.named_modules() if isinstance(module, nn.Sequential)}
+    return RegionMap(traced.graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences)
+
+
+def _loss_note(loss_fn: Callable | None) -> str:
+    if loss_fn is None:
+        return ("not given: the output's gradient is priced as an input of the backward and the loss as holding "
+                "nothing more; pass loss_fn to price it")
+    return "priced as part of the step (loss_fn)"
+
+
+def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
+    """Forward nodes whose first computation serves a read in a backward node's stage (by
+    the backward node itself or by a recomputation placed there)."""
+    recomputed_at: dict[int, list[int]] = {}
+    for i, s, _ in schedule.events:
+        if s != i:
+            recomputed_at.setdefault(i, []).append(s)
+    kept = np.zeros(graph.n, dtype=bool)
+    for k, s, _ in schedule.events:
+        if not graph.backward[s]:
+            continue
+        for p in graph.preds[k].tolist():
+            if graph.backward[p] or kept[p]:
+                continue
+            later = [r for r in recomputed_at.get(p, ()) if r < s or (r == s and p < k)]
+            kept[p] = not later
+    return kept
 
 
 def _version() -> str:

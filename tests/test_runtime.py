@@ -1,4 +1,4 @@
-"""The checkpoint runtime through the public API: plan, apply, train, compare with the model."""
+"""The runtimes through the public API: plan, apply, train, compare with the model."""
 
 from __future__ import annotations
 
@@ -90,44 +90,48 @@ MODELS["resnet-tiny"] = resnet_tiny
 
 
 @pytest.mark.parametrize("name,budget", [("deep-mlp", 0.6), ("convnet", 0.7), ("gpt-dropout", 0.8),
-                                         ("resnet-tiny", 0.75)])
+                                         ("resnet-tiny", 0.8)])
 def test_planned_step_equals_unplanned_step(name: str, budget: float) -> None:
     model, inputs, loss_fn = MODELS[name]()
     state = copy.deepcopy(model.state_dict())
     want = train_step(model, model, inputs, loss_fn, state)
     plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=5)
     assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
-    assert any(s.recomputed for s in plan.segments), "the plan should recompute something at this budget"
+    assert plan.regions and plan.schedule.recomputations, "the plan should recompute something at this budget"
     got = train_step(optremat.apply(model, plan), model, inputs, loss_fn, state)
     assert_same_step(got, want)
+    assert optremat.remove(model) is model
+    assert_same_step(train_step(model, model, inputs, loss_fn, state), want)
 
 
 def test_dropout_masks_survive_recomputation() -> None:
     model, inputs, loss_fn = convnet()
     state = copy.deepcopy(model.state_dict())
     plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
-    recomputed = [plan.graph.ops[plan.graph.names.index(n)] for s in plan.segments for n in s.recomputed]
+    recomputed = [plan.graph.ops[i] for i, s, _ in plan.schedule.events if s != i]
     assert any(op.startswith(("bernoulli", "native_dropout")) for op in recomputed), recomputed
+    want = [train_step(model, model, inputs, loss_fn, state, seed) for seed in (1, 2)]
     trained = optremat.apply(model, plan)
-    for seed in (1, 2):
-        assert_same_step(train_step(trained, model, inputs, loss_fn, state, seed),
-                         train_step(model, model, inputs, loss_fn, state, seed))
+    for seed, expected in zip((1, 2), want):
+        assert_same_step(train_step(trained, model, inputs, loss_fn, state, seed), expected)
 
 
 def test_gradient_accumulation_over_micro_batches() -> None:
-    model, (x,), loss_fn = deep_mlp()
+    model, inputs, loss_fn = gpt_dropout()
+    (x,) = inputs
     state = copy.deepcopy(model.state_dict())
-    plan = optremat.plan(model, (x[:128],), 0.7, loss_fn=loss_fn, time_limit=5)
-    trained = optremat.apply(model, plan)
+    plan = optremat.plan(model, (x[:8],), 0.7, loss_fn=loss_fn, time_limit=5)
 
     def accumulate(module: nn.Module) -> dict:
         model.load_state_dict(state)
         model.zero_grad(set_to_none=True)
-        for chunk in x.split(128):
+        torch.manual_seed(3)
+        for chunk in x.split(8):
             loss_fn(module(chunk)).backward()
         return {k: p.grad.clone() for k, p in model.named_parameters()}
 
-    want, got = accumulate(model), accumulate(trained)
+    want = accumulate(model)
+    got = accumulate(optremat.apply(model, plan))
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=0)
 
@@ -163,7 +167,7 @@ def tied_outputs() -> tuple[nn.Module, tuple, callable]:
     return TiedOutputs().double(), (batch,), loss_fn
 
 
-@pytest.mark.parametrize("runtime,budget", [("checkpoint", 1.0), ("exact", 0.9)])
+@pytest.mark.parametrize("runtime,budget", [("native", 1.0), ("exact", 0.9)])
 def test_tied_weights_dict_inputs_and_structured_outputs(runtime: str, budget: float) -> None:
     model, inputs, loss_fn = tied_outputs()
     state = copy.deepcopy(model.state_dict())
@@ -171,6 +175,7 @@ def test_tied_weights_dict_inputs_and_structured_outputs(runtime: str, budget: f
     plan = optremat.plan(model, inputs, budget, time_limit=5, runtime=runtime)
     trained = optremat.apply(model, plan)
     assert_same_step(train_step(trained, model, inputs, loss_fn, state), want)
+    assert trained(*inputs)["out"].logits.shape == (256, 16, 32)
     result = trained(*inputs)
     assert isinstance(result["out"], Output) and result["scale"] == 2
 
@@ -182,43 +187,48 @@ def test_autocast_plan_runs_under_autocast() -> None:
     state = copy.deepcopy(model.state_dict())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plan = optremat.plan(model, (idx,), 0.9, loss_fn=loss_fn, time_limit=5)
-        trained = optremat.apply(model, plan)
-        got = train_step(trained, model, (idx,), loss_fn, state)
         want = train_step(model, model, (idx,), loss_fn, state)
+        got = train_step(optremat.apply(model, plan), model, (idx,), loss_fn, state)
     assert_same_step(got, want, tolerance=1e-5)
 
 
-def test_eval_no_grad_and_other_shapes_run_the_model_itself() -> None:
-    model, (x,), loss_fn = deep_mlp()
-    plan = optremat.plan(model, (x,), 0.6, loss_fn=loss_fn, time_limit=5)
-    trained = optremat.apply(model, plan)
-    assert trained.state_dict().keys() == model.state_dict().keys()
-    assert list(trained.parameters()) == list(model.parameters())
+def test_eval_and_no_grad_run_plainly_and_other_shapes_run_planned() -> None:
+    model, inputs, loss_fn = gpt_dropout()
+    (idx,) = inputs
+    model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(trained(x), model(x), rtol=0, atol=0)
-    trained.eval()
-    torch.testing.assert_close(trained(x), model(x), rtol=0, atol=0)
-    trained.train()
-    with pytest.warns(UserWarning, match="running the model unplanned"):
-        out = trained(x[:10])
-    torch.testing.assert_close(out, model(x[:10]), rtol=0, atol=0)
+        want = model(idx)
+    model.train()
+    keys = model.state_dict().keys()
+    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    trained = optremat.apply(model, plan)
+    assert trained is model and trained.state_dict().keys() == keys
+    model.eval()
+    torch.testing.assert_close(trained(idx), want, rtol=0, atol=0)
+    model.train()
+    for shape in ((4, 32), (16, 16)):
+        other = torch.randint(0, 64, shape)
+        state = copy.deepcopy(model.state_dict())
+        planned = train_step(model, model, (other,), loss_fn, state)
+        optremat.remove(model)
+        assert_same_step(planned, train_step(model, model, (other,), loss_fn, state))
+        optremat.apply(model, plan)
 
 
 def test_saved_plan_applies_after_loading_and_refuses_another_model(tmp_path) -> None:
     model, inputs, loss_fn = convnet()
     state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, inputs, loss_fn, state)
     plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = optremat.Plan.load(path)
-    assert loaded.executable is None
-    assert (loaded.fingerprint, loaded.predicted_peak_bytes, loaded.segments) == \
-        (plan.fingerprint, plan.predicted_peak_bytes, plan.segments)
-    assert_same_step(train_step(optremat.apply(model, loaded), model, inputs, loss_fn, state),
-                     train_step(model, model, inputs, loss_fn, state))
-    other, other_inputs, _ = deep_mlp()
+    assert (loaded.fingerprint, loaded.predicted_peak_bytes, loaded.regions) == \
+        (plan.fingerprint, plan.predicted_peak_bytes, plan.regions)
+    assert_same_step(train_step(optremat.apply(model, loaded), model, inputs, loss_fn, state), want)
+    other, _, _ = deep_mlp()
     with pytest.raises(optremat.PlanMismatch, match="another model"):
-        optremat.apply(other, loaded)(*other_inputs)
+        optremat.apply(other, loaded)
 
 
 def test_summary_and_explain_name_the_decisions() -> None:
@@ -257,9 +267,9 @@ def test_measured_peak_follows_the_plan() -> None:
 def test_planned_step_is_bitwise_equal_in_float64() -> None:
     model, inputs, loss_fn = gpt_dropout()
     state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, inputs, loss_fn, state)
     plan = optremat.plan(model, inputs, 0.9, loss_fn=loss_fn, time_limit=5)
-    assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state),
-                     train_step(model, model, inputs, loss_fn, state), tolerance=0)
+    assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state), want, tolerance=0)
 
 
 @pytest.mark.parametrize("name,budget,order", [("convnet", 0.6, "traced"), ("gpt-dropout", 0.7, "traced"),
@@ -277,7 +287,7 @@ def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float, orde
                      train_step(model, model, inputs, loss_fn, state))
 
 
-@pytest.mark.parametrize("runtime", ["checkpoint", "exact"])
+@pytest.mark.parametrize("runtime", ["native", "exact"])
 @pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny", "unet-tiny", "vgg-tiny", "mlp-tiny", "rnn-tiny"])
 def test_every_built_in_model_at_its_tightest_plan(name: str, runtime: str) -> None:
     """At half the unplanned peak, or the smallest budget the planner names where half is
@@ -292,12 +302,12 @@ def test_every_built_in_model_at_its_tightest_plan(name: str, runtime: str) -> N
         except optremat.InfeasibleBudget as error:
             plan = optremat.plan(model, inputs, error.smallest, loss_fn=loss_fn, time_limit=2, runtime=runtime)
         assert plan.predicted_peak_bytes <= plan.budget_bytes
-        trained = optremat.apply(model, plan)
         if dtype == torch.float64:
             state = copy.deepcopy(model.state_dict())
-            assert_same_step(train_step(trained, model, inputs, loss_fn, state),
-                             train_step(model, model, inputs, loss_fn, state))
+            want = train_step(model, model, inputs, loss_fn, state)
+            assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state), want)
             continue
+        trained = optremat.apply(model, plan)
         params = list(model.parameters())
 
         def step() -> tuple:

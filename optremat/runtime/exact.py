@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from optremat.extract import Traced
 from optremat.graph import Graph
-from optremat.runtime.ops import (autocast_state, call, is_random, mutated_inputs, rng_state, set_rng_state,
+from optremat.extract import mutated_inputs
+from optremat.runtime.ops import (autocast_state, call, is_random, rng_state, set_rng_state,
                                   signature_of)
 from optremat.schedule import Schedule
 

@@ -9,21 +9,6 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-_BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
-
-
-def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The fx nodes whose tensors `node` writes in place."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-    name = schema.name.removeprefix("aten::")
-    if name in _BATCH_NORMS and len(node.args) > 5 and node.args[5] is True:
-        written += [3, 4]
-    return [node.args[i] for i in written if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
-
-
 def signature_of(leaves: list[Any]) -> list[Any]:
     """Shape, dtype and device of each tensor (other values as they are): what a plan is for."""
     return [(tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else t for t in leaves]

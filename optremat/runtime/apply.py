@@ -1,4 +1,4 @@
-"""`apply(model, plan)`: the model, trained under a plan by the runtime the plan was made for."""
+"""`apply(model, plan)` and `remove(model)`: a model trained under a plan, and back."""
 
 from __future__ import annotations
 
@@ -10,12 +10,33 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.extract import trace
-from optremat.plan import Plan, PlanMismatch, exact_program, program_of
+from optremat.plan import Plan, exact_program
+from optremat.runtime import native
+from optremat.runtime.native import PlanMismatch
 from optremat.runtime.ops import autocast_state, signature_of
 
 
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """`model` with `plan` applied: same call signature, parameters and gradients.
+
+    A native plan is installed on `model` itself (its checkpointed module calls run under
+    checkpoint; everything else is untouched) and `model` is returned; `remove(model)`
+    takes it off again. An exact plan returns a wrapper that runs the traced step."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply needs an optremat Plan, not {type(plan).__name__}")
+    if plan.runtime == "exact":
+        return Planned(model, plan)
+    return native.install(model, plan.regions, training=plan.training, fingerprint=plan.model_fingerprint,
+                          mutated_buffers=plan.mutated_buffers)
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Take an installed native plan off `model`; returns `model`, as it was before `apply`."""
+    return native.remove(model)
+
+
 class Planned(nn.Module):
-    """`model` run under `plan` for training steps, and plainly otherwise.
+    """`model` run under an exact plan for training steps, and plainly otherwise.
 
     Parameters and buffers are the model's own (shared, not copied), so any optimizer,
     `state_dict` and `load_state_dict` work as on the model, with the same keys. The plan
@@ -40,27 +61,23 @@ class Planned(nn.Module):
         signature = signature_of(leaves)
         if signature != self._program.signature or autocast_state() != self._program.autocast:
             if not self._warned:
-                warnings.warn("optremat: inputs or autocast differ from those the plan was made for "
+                warnings.warn("optremat: inputs or autocast differ from those the exact plan was made for "
                               f"({_describe(signature)} {autocast_state()} vs {_describe(self._program.signature)} "
                               f"{self._program.autocast}); running the model unplanned", stacklevel=2)
                 self._warned = True
             return self.model(*args)
         params = dict(self.model.named_parameters())
         values = list(params.values()) + list(dict(self.model.named_buffers()).values()) + leaves
-        if self.plan.runtime == "exact":
-            return self._program.run(list(params), values)
-        return self._program.run(values, self.plan.segments)
+        return self._program.run(list(params), values)
 
     def _trace(self, args: tuple) -> Any:
         traced = trace(self.model, args)
-        exact = self.plan.runtime == "exact"
-        program = None if exact else program_of(self.model, traced, args)
-        fingerprint = traced.graph.fingerprint if exact else program.fingerprint
-        if fingerprint != self.plan.program_fingerprint:
+        if (native.model_fingerprint(self.model) != self.plan.model_fingerprint
+                or not _same_step(traced.graph, self.plan.graph)):
             raise PlanMismatch("this plan was made for another model or input shape (fingerprint "
-                               f"{self.plan.program_fingerprint}, this model gives {fingerprint}); plan again")
-        return (exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule, dict(self.plan.shared))
-                if exact else program)
+                               f"{self.plan.graph.fingerprint}, these inputs give {traced.graph.fingerprint}); "
+                               "plan again")
+        return exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule, dict(self.plan.shared))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.model.state_dict(*args, **kwargs)
@@ -69,11 +86,9 @@ class Planned(nn.Module):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def apply(model: nn.Module, plan: Plan) -> Planned:
-    """`model` with `plan` applied: same call signature, parameters and gradients."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"apply needs an optremat Plan, not {type(plan).__name__}")
-    return Planned(model, plan)
+def _same_step(traced: Any, planned: Any) -> bool:
+    """The planned graph holds the traced step's ops and tensor types, perhaps reordered."""
+    return sorted(zip(traced.names, traced.ops, traced.tensor)) == sorted(zip(planned.names, planned.ops, planned.tensor))
 
 
 def _describe(signature: list[Any]) -> str:

@@ -1,0 +1,415 @@
+"""Module regions: the plans the native runtime runs, and their exact price.
+
+The native runtime runs the user's own forward. A plan picks module calls (regions) to
+run under `torch.utils.checkpoint` (non-reentrant); within a region a selective policy
+keyed by (op, occurrence of that op in the call) saves the outputs of some ops. When the
+backward first unpacks a tensor the region's autograd nodes saved, the region's forward
+reruns from its start: saved ops return their stored outputs, every other op runs again,
+and the rerun stops after the last op whose autograd node saves a tensor (early stop).
+Recomputed tensors the backward reads live until their last reader; the others die
+within the rerun; a saved output is stored until the rerun takes it (priced as held
+through the backward op that triggered the rerun); the region's inputs live until the
+last of its autograd nodes has run.
+
+This module maps a traced step's nodes to regions and keys, lowers a keep set (which
+forward tensors the backward should find stored) to regions, and prices what the runtime
+executes as a Schedule on the graph, so `simulate()` prices plans exactly as they run.
+No torch here: the torch facts (call stacks, random ops) arrive as plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Sequence
+
+import numpy as np
+
+from optremat.graph import Graph
+from optremat.heuristics.benefit import drop_order
+from optremat.schedule import Schedule, SimResult, simulate
+
+Call = tuple[str, int]
+"""A module call: the module's path and how many calls of it came before in the step."""
+
+UNCOUNTED = ("getitem", "detach.default")
+"""Graph ops no selective policy sees: Python's tuple indexing, and the detaches
+checkpoint inserts a varying number of (PyTorch's SAC_IGNORED_OPS)."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A module call run under checkpoint; the ops keyed in `saved` (op name, occurrence in
+    the call) keep their outputs for the backward, every other op is recomputed."""
+
+    path: str
+    call: int
+    saved: frozenset[tuple[str, int]] = frozenset()
+
+    def to_json(self) -> list:
+        return [self.path, self.call, sorted([op, k] for op, k in self.saved)]
+
+    @classmethod
+    def from_json(cls, data: list) -> "Region":
+        path, call, saved = data
+        return cls(path, int(call), frozenset((op, int(k)) for op, k in saved))
+
+
+@dataclass(frozen=True, eq=False)
+class Lowering:
+    """The regions that run under checkpoint and the schedule they execute on the graph."""
+
+    regions: tuple[Region, ...]
+    schedule: Schedule
+
+
+def span_path(path: str, start: int, stop: int) -> str:
+    """The region path of children [start, stop) of the nn.Sequential at `path`."""
+    return f"{path}[{start}:{stop}]"
+
+
+def parse_span(path: str) -> tuple[str, int, int] | None:
+    """(Sequential path, start, stop) of a span region's path, None for a module call."""
+    if not path.endswith("]"):
+        return None
+    base, _, span = path[:-1].rpartition("[")
+    start, stop = span.split(":")
+    return base, int(start), int(stop)
+
+
+@dataclass(frozen=True, eq=False)
+class RegionMap:
+    """A traced step seen as module calls: per graph node its stack of calls (empty for
+    backward ops and sources), whether it draws random numbers, and (`grad_of`) per
+    backward op the forward op whose autograd node runs it (-1 if none). `sequences`
+    names the children of each nn.Sequential (by path, "" for the model itself): a run
+    of consecutive children is a region too, as `checkpoint_sequential` makes them."""
+
+    graph: Graph
+    calls: tuple[tuple[Call, ...], ...]
+    random: np.ndarray
+    grad_of: np.ndarray
+    sequences: dict[str, tuple[str, ...]]
+
+    @cached_property
+    def members(self) -> dict[Call, np.ndarray]:
+        """Forward ops of each module call and of each span of a Sequential call, in run order."""
+        out: dict[Call, list[int]] = {}
+        for v, stack in enumerate(self.calls):
+            for call in stack:
+                out.setdefault(call, []).append(v)
+            for span in self._spans_of(stack):
+                out.setdefault(span, []).append(v)
+        return {call: np.array(nodes, dtype=np.int64) for call, nodes in out.items()}
+
+    def _spans_of(self, stack: tuple[Call, ...]) -> list[Call]:
+        """The span regions holding a node run under `stack`: for each Sequential call in it
+        (the model itself first), every span of the child the node runs in."""
+        found = []
+        for j, (path, k) in enumerate(((("", 0),) if "" in self.sequences else ()) + stack):
+            inner = j if "" in self.sequences else j + 1
+            children = self.sequences.get(path)
+            if children is None or inner >= len(stack) or stack[inner][0] not in children:
+                continue
+            child = children.index(stack[inner][0])
+            found += [(span_path(path, a, b), k) for tiling in _tilings(len(children)).values()
+                      for a, b in tiling if a <= child < b]
+        return list(dict.fromkeys(found))
+
+    def structures(self) -> list[tuple[Call, ...]]:
+        """Candidate region sets: every module call at one depth of the call tree, and the
+        spans of one length over every Sequential call."""
+        depth = max((len(stack) for stack in self.calls), default=0)
+        found = []
+        for d in range(depth):
+            calls = tuple(dict.fromkeys(stack[d] for stack in self.calls if len(stack) > d))
+            if calls and calls not in found:
+                found.append(calls)
+        by_length: dict[int, list[Call]] = {}
+        for call in self.members:
+            span = parse_span(call[0])
+            if span is None:
+                continue
+            path, a, b = span
+            for length, tiling in _tilings(len(self.sequences[path])).items():
+                if (a, b) in tiling:
+                    by_length.setdefault(length, []).append(call)
+        for length in sorted(by_length):
+            found.append(tuple(sorted(by_length[length], key=lambda c: int(self.members[c][0]))))
+        return found
+
+    def keys(self, call: Call) -> dict[int, tuple[str, int]]:
+        """Each op of a call keyed as a selective policy counts it: (op, occurrence)."""
+        seen: dict[str, int] = {}
+        out = {}
+        for v in self.members[call].tolist():
+            op = self.graph.ops[v]
+            if op in UNCOUNTED:
+                continue
+            out[v] = (op, seen.get(op, 0))
+            seen[op] = seen.get(op, 0) + 1
+        return out
+
+    @cached_property
+    def facts(self) -> "_Facts":
+        return _Facts.of(self.graph, self.grad_of)
+
+
+@dataclass(frozen=True, eq=False)
+class _Facts:
+    """Per node: the backward ops reading it, the last forward op reading it, the backward
+    ops its autograd node runs that read forward tensors (those unpack what the node saved)
+    and all it runs; the op owning its storage; and storages written in place."""
+
+    backward_reads: list[list[int]]
+    last_forward_read: np.ndarray
+    unpacks: list[list[int]]
+    ran: list[list[int]]
+    owner: np.ndarray
+    overwritten: np.ndarray
+    in_place: np.ndarray
+
+    @classmethod
+    def of(cls, graph: Graph, grad_of: np.ndarray) -> "_Facts":
+        n = graph.n
+        backward_reads: list[list[int]] = [[] for _ in range(n)]
+        last = np.full(n, -1, dtype=np.int64)
+        for v in range(n):
+            for s in graph.succs[v].tolist():
+                if graph.backward[s]:
+                    backward_reads[v].append(s)
+                else:
+                    last[v] = max(last[v], s)
+        unpacks: list[list[int]] = [[] for _ in range(n)]
+        ran: list[list[int]] = [[] for _ in range(n)]
+        for s in np.nonzero(graph.backward & (grad_of >= 0))[0].tolist():
+            ran[int(grad_of[s])].append(s)
+            if any(not graph.backward[p] for p in graph.preds[s].tolist()):
+                unpacks[int(grad_of[s])].append(s)
+        root = graph.storage_root
+        owner = np.where(graph.is_part[root], graph.alias_of[root], root)
+        in_place = np.array([bool(graph.alias_of[v] >= 0) and graph.ops[v].split(".")[0].endswith("_")
+                             for v in range(n)], dtype=bool)
+        overwritten = np.zeros(n, dtype=bool)
+        overwritten[owner[graph.alias_of[in_place]]] = True
+        return cls(backward_reads, last, unpacks, ran, owner, overwritten, in_place)
+
+
+def _tilings(count: int) -> dict[int, list[tuple[int, int]]]:
+    """Ways to cut a Sequential of `count` children into runs of consecutive children: runs
+    of 2, 3, 4 and about the square root of `count` children."""
+    lengths = sorted({2, 3, 4, max(2, round(count ** 0.5))})
+    return {length: [(a, min(a + length, count)) for a in range(0, count, length)]
+            for length in lengths if length < count}
+
+
+def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lowering:
+    """The regions of `structure` that realise `kept` (forward nodes the backward should
+    find stored), and the schedule the runtime then executes."""
+    graph, facts = rmap.graph, rmap.facts
+    recompute: dict[int, list[int]] = {}
+    held: dict[int, int] = {}
+    regions = []
+    for call in structure:
+        members = rmap.members[call]
+        plan = _region(rmap, members, kept)
+        if plan is None:
+            continue
+        t, saved_ops, recomputed = plan
+        recompute.setdefault(t, []).extend(recomputed)
+        released = min(max([t] + [s + 1 for v in members.tolist() for s in facts.ran[v]]), graph.n - 1)
+        inside = set(members.tolist())
+        for v in members.tolist():
+            for p in graph.preds[v].tolist():
+                if p not in inside and not graph.pinned[p]:
+                    held[p] = max(held.get(p, released), released)
+        for o in saved_ops:
+            held[o] = max(held.get(o, t + 1), min(t + 1, graph.n - 1))
+        keys = rmap.keys(call)
+        regions.append(Region(call[0], call[1], frozenset(keys[o] for o in saved_ops)))
+    return Lowering(tuple(regions), _schedule(graph, recompute, held))
+
+
+def _region(rmap: RegionMap, members: np.ndarray, kept: np.ndarray) -> tuple[int, list[int], list[int]] | None:
+    """(recompute stage, ops saved, nodes recomputed) of one region, or None when the
+    region runs plainly: nothing it would recompute is read by the backward, its rerun
+    would write over a tensor from outside it, its autograd nodes save nothing, or an
+    output the backward reads after the region cannot be saved (the rerun would make a
+    second copy of a tensor that is still live)."""
+    graph, facts = rmap.graph, rmap.facts
+    nodes = members.tolist()
+    inside = set(nodes)
+    packers = [v for v in nodes if facts.unpacks[v]]
+    if not packers:
+        return None
+    last = max(packers)
+    if any(facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside
+           and not graph.pinned[graph.storage_root[graph.alias_of[v]]] for v in nodes if v <= last):
+        return None
+    end = nodes[-1]
+    saved_ops = set()
+    for v in nodes:
+        if v > last:
+            break
+        wanted = kept[v] or (facts.backward_reads[v] and facts.last_forward_read[v] > end)
+        o = int(facts.owner[v])
+        if wanted and o in inside and o <= last and not rmap.random[o] and not facts.overwritten[o]:
+            saved_ops.add(o)
+    recomputed = [v for v in nodes if v <= last and int(facts.owner[v]) in inside
+                  and int(facts.owner[v]) not in saved_ops]
+    if not any(facts.backward_reads[v] for v in recomputed):
+        return None
+    if any(facts.backward_reads[v] and facts.last_forward_read[v] > end for v in recomputed):
+        return None
+    t = min(s for v in nodes for s in facts.unpacks[v])
+    return t, sorted(saved_ops), recomputed
+
+
+def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int]) -> Schedule:
+    """Each node in its own stage, plus the recomputations. A recomputed copy lives until
+    its last backward reader from the recomputation on; a reader before it (an autograd
+    node outside the region that saved the tensor itself) holds the original. A region's
+    inputs live until its autograd nodes release them (`held`: the stage they are freed at)."""
+    n = graph.n
+    until = np.arange(n)
+    again: dict[tuple[int, int], int] = {}
+    recomputed_at = {v: t for t, nodes in recompute.items() for v in nodes}
+    for v in range(n):
+        t = recomputed_at.get(v)
+        for s in graph.succs[v].tolist():
+            if graph.backward[s] and t is not None and s >= t:
+                again[(v, t)] = max(again.get((v, t), t), s)
+            else:
+                until[v] = max(until[v], s)
+    for t, nodes in recompute.items():
+        for v in nodes:
+            again.setdefault((v, t), t)
+            for p in graph.preds[v].tolist():
+                if recomputed_at.get(p) != t:
+                    until[p] = max(until[p], t)
+    for v, t in held.items():
+        until[v] = max(until[v], t)
+    until[graph.pinned | graph.output] = n - 1
+    events = [(v, v, int(until[v])) for v in range(n)] + [(v, t, u) for (v, t), u in again.items()]
+    return Schedule.from_events(events, n)
+
+
+def kept_of(rmap: RegionMap, regions: Sequence[Region]) -> tuple[tuple[Call, ...], np.ndarray]:
+    """The structure and keep set that lower to `regions` on this map (a plan made at one
+    input shape, read at another): every op outside the regions and every op a region's
+    policy saves is kept."""
+    kept = np.ones(rmap.graph.n, dtype=bool)
+    structure = []
+    for region in regions:
+        call = (region.path, region.call)
+        if call not in rmap.members:
+            continue
+        structure.append(call)
+        kept[rmap.members[call]] = False
+        for v, key in rmap.keys(call).items():
+            kept[v] = key in region.saved
+    return tuple(structure), kept
+
+
+@dataclass(frozen=True, eq=False)
+class Priced:
+    """A lowering and its simulation, with what produced it."""
+
+    lowering: Lowering
+    result: SimResult
+    source: str
+
+
+def price(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray, source: str) -> Priced:
+    lowering = lower(rmap, structure, kept)
+    return Priced(lowering, simulate(rmap.graph, lowering.schedule), source)
+
+
+def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list[Priced]:
+    """Region plans that compete for `budget`, one family per structure (depth of the call
+    tree): the solver's keep set and keeping everything, each less the shortest prefix of
+    the benefit order that fits; checkpointing the first k regions whole (the smallest k
+    that fits); and that plan with the most expensive-to-recompute ops saved again while
+    it still fits."""
+    graph = rmap.graph
+    order = drop_order(graph)
+    found = []
+    for structure in rmap.structures():
+        inside = np.zeros(graph.n, dtype=bool)
+        for call in structure:
+            inside[rmap.members[call]] = True
+        starts = [("solver", solver_kept)] if solver_kept is not None else []
+        starts.append(("benefit", np.ones(graph.n, dtype=bool)))
+        for label, start in starts:
+            drops = [v for v in order.tolist() if start[v] and inside[v]]
+            found.append(_shortest(lambda k: _dropping(rmap, structure, start, drops[:k], label),
+                                   len(drops), budget))
+        whole = _shortest(lambda k: _whole(rmap, structure, k), len(structure), budget)
+        found.append(whole)
+        dropped = np.nonzero(inside & ~_kept_by(whole.lowering, rmap, structure))[0]
+        readded = dropped[np.argsort(-graph.cost[dropped] / np.maximum(graph.size[dropped], 1), kind="stable")]
+        base = _kept_by(whole.lowering, rmap, structure)
+        found.append(_longest(lambda k: _readding(rmap, structure, base, readded[:k]), len(readded), budget,
+                              whole))
+    return found
+
+
+def _dropping(rmap: RegionMap, structure: Sequence[Call], start: np.ndarray, drops: list[int],
+              label: str) -> Priced:
+    kept = start.copy()
+    kept[drops] = False
+    return price(rmap, structure, kept, label)
+
+
+def _whole(rmap: RegionMap, structure: Sequence[Call], count: int) -> Priced:
+    kept = np.ones(rmap.graph.n, dtype=bool)
+    for call in structure[:count]:
+        kept[rmap.members[call]] = False
+    return price(rmap, structure, kept, "per-region")
+
+
+def _readding(rmap: RegionMap, structure: Sequence[Call], base: np.ndarray, again: np.ndarray) -> Priced:
+    kept = base.copy()
+    kept[again] = True
+    return price(rmap, structure, kept, "per-region+saves")
+
+
+def _kept_by(lowering: Lowering, rmap: RegionMap, structure: Sequence[Call]) -> np.ndarray:
+    """The keep set a lowering realises (its regions' saved ops; everything outside them)."""
+    return kept_of(rmap, lowering.regions)[1] if lowering.regions else np.ones(rmap.graph.n, dtype=bool)
+
+
+def _shortest(attempt: Callable[[int], Priced], count: int, budget: int) -> Priced:
+    """The attempt with the smallest argument in [0, count] that fits `budget` (binary
+    search: peaks fall, though not strictly, as the argument grows), else the last one."""
+    first = attempt(0)
+    if first.result.peak_bytes <= budget or count == 0:
+        return first
+    best = attempt(count)
+    if best.result.peak_bytes > budget:
+        return best
+    lo, hi = 1, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        trial = attempt(mid)
+        if trial.result.peak_bytes <= budget:
+            best, hi = trial, mid
+        else:
+            lo = mid + 1
+    return best
+
+
+def _longest(attempt: Callable[[int], Priced], count: int, budget: int, start: Priced) -> Priced:
+    """The attempt with the largest argument in [0, count] that still fits, from `start`
+    (argument 0, returned as it is when it does not fit)."""
+    if start.result.peak_bytes > budget:
+        return start
+    best, lo, hi = start, 1, count
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = attempt(mid)
+        if trial.result.peak_bytes <= budget:
+            best, lo = trial, mid + 1
+        else:
+            hi = mid - 1
+    return best
