@@ -138,7 +138,7 @@ def main() -> None:
                 f"Models {', '.join(config.runtime_models)}, both runtimes, at 30–90% of the unplanned peak; "
                 f"solver limit {config.runtime_limit:g} s; {config.runs} interleaved timing pairs. "
                 f"{runtime.DESCRIPTION}", "",
-                runtime.section(list(config.runtime_models), ["checkpoint", "exact"], [0.3, 0.5, 0.7, 0.9],
+                runtime.section(list(config.runtime_models), ["native", "exact"], [0.3, 0.5, 0.7, 0.9],
                                 config.runtime_limit, config.runs))
     if "planners" in sections:
         text = planners.models_section(list(config.plan_models), config.plan_limit, config.plan_fractions, cells,

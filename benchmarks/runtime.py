@@ -1,7 +1,7 @@
 """Plans executed: predicted vs measured peak and step-time overhead of both runtimes.
 
     python -m benchmarks.runtime [--models gpt-tiny,resnet-tiny,...] [--budgets 0.3,0.5,0.7,0.9]
-                                 [--runtimes checkpoint,exact] [--limit 30] [--runs 5] [--out runtime.md]
+                                 [--runtimes native,exact] [--limit 30] [--runs 5] [--out runtime.md]
 
 For each built-in model, runtime and budget (a fraction of the unplanned simulated peak)
 it plans with `optremat.plan(..., solver="auto")`, applies the plan, and runs float32
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
     parser.add_argument("--limit", type=float, default=30.0, help="solver time limit per plan, seconds")
     parser.add_argument("--runs", type=int, default=5, help="interleaved timing pairs per plan")
-    parser.add_argument("--runtimes", default="checkpoint,exact")
+    parser.add_argument("--runtimes", default="native,exact")
     parser.add_argument("--out", default="runtime.md", help="file name under benchmarks/")
     args = parser.parse_args()
     out = OUT.with_name(args.out)

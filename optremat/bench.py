@@ -26,8 +26,8 @@ from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.coarsen import Coarsened, coarsen
 from optremat.graph import Graph, format_bytes
 from optremat.heuristics import NotAChain
-from optremat.plan import plan
-from optremat.runtime.apply import apply
+from optremat.plan import Plan, plan
+from optremat.runtime.apply import apply, remove
 from optremat.runtime.measure import measure_peak
 from optremat.schedule import keep_all, simulate
 from optremat.solve import HEURISTICS, solve
@@ -199,11 +199,22 @@ def compare(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], to
         except ValueError as error:
             add(Measured("optremat", "eager", matches=matches, note=str(error).split(";")[0]))
             continue
-        trained = apply(model, planned)
-        measure("optremat", eager, step_of(trained), time.perf_counter() - started,
+        measure("optremat", eager, _under(model, planned, eager[1]), time.perf_counter() - started,
                 predicted_peak_bytes=planned.predicted_peak_bytes, predicted_overhead=planned.predicted_overhead,
                 matches=matches)
     return results
+
+
+def _under(model: nn.Module, planned: Plan, step: Callable[[], Any]) -> Callable[[], Any]:
+    """`step` run with `planned` installed on `model`, which runs unplanned between calls
+    (so that unplanned and planned steps interleave in one process)."""
+    def run() -> Any:
+        apply(model, planned)
+        try:
+            return step()
+        finally:
+            remove(model)
+    return run
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ def _plan_report(source: str, result: Any) -> dict[str, Any]:
         "budget_bytes": result.budget_bytes, "peak_bytes": result.predicted_peak_bytes,
         "unplanned_peak_bytes": result.baseline_peak_bytes, "overhead": result.predicted_overhead,
         "lower_bound_overhead": result.lower_bound, "solver_overhead": result.solver_overhead,
-        "segments": len(result.segments), "checkpointed_segments": sum(s.checkpointed for s in result.segments),
+        "regions": len(result.regions), "selective_regions": sum(bool(r.saved) for r in result.regions),
         "solve_seconds": result.solve_seconds, "fingerprint": result.fingerprint,
     }
 
@@ -338,8 +338,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--save", help="write the plan (a model) or the schedule (a graph file) as JSON")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     plan.add_argument("--cache", help="plan cache directory (a model's plan is loaded from it when present)")
-    plan.add_argument("--runtime", choices=("checkpoint", "exact"), default="checkpoint",
-                      help="what runs a model's plan: checkpoint segments, or every op as scheduled")
+    plan.add_argument("--runtime", choices=("native", "exact"), default="native",
+                      help="what runs a model's plan: its own module calls under checkpoint, or every op as scheduled")
     plan.add_argument("--order", choices=("traced", "best"), default="traced",
                       help="with --runtime exact, 'best' may run independent ops in an order with a lower peak")
     plan.add_argument("--share", action="store_true",

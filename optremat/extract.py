@@ -60,6 +60,22 @@ class Traced:
 
 
 _MARK = "optremat"
+_TRACING: list[bool] = []
+
+
+def tracing() -> bool:
+    """Whether a step is being traced: an installed plan steps aside meanwhile, so a model
+    is traced as it is, whether or not a plan is on it."""
+    return bool(_TRACING)
+
+
+@contextmanager
+def _tracing() -> Iterator[None]:
+    _TRACING.append(True)
+    try:
+        yield
+    finally:
+        _TRACING.pop()
 
 
 def extract(
@@ -118,7 +134,7 @@ def trace(
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
-    with _module_paths(model) as where, fx_traceback.preserve_node_meta():
+    with _tracing(), _module_paths(model) as where, fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in

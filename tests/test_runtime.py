@@ -433,3 +433,77 @@ def test_saved_exact_plan_applies_after_loading_and_refuses_another_model(tmp_pa
     other, other_inputs, _ = deep_mlp()
     with pytest.raises(optremat.PlanMismatch, match="another model"):
         optremat.apply(other, loaded)(*other_inputs)
+
+
+def test_hooks_fire_once_per_forward_and_remove_restores_the_model() -> None:
+    model, inputs, loss_fn = gpt_dropout()
+    forward = model.blocks[0].forward
+    calls = {"pre": 0, "post": 0, "inner": 0}
+    model.blocks[0].register_forward_pre_hook(lambda m, a: calls.__setitem__("pre", calls["pre"] + 1))
+    model.blocks[0].register_forward_hook(lambda m, a, o: calls.__setitem__("post", calls["post"] + 1))
+    model.blocks[1].attn.register_forward_hook(lambda m, a, o: calls.__setitem__("inner", calls["inner"] + 1))
+    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    assert {r.path for r in plan.regions} >= {"blocks.0", "blocks.1"}, plan.regions
+    optremat.apply(model, plan)
+    calls.update(pre=0, post=0, inner=0)
+    out = model(*inputs)
+    assert calls == {"pre": 1, "post": 1, "inner": 1}
+    loss_fn(out).backward()
+    assert calls["pre"] == calls["post"] == 1, "the module's own hooks run outside its checkpointed forward"
+    optremat.remove(model)
+    assert model.blocks[0].forward == forward and "forward" not in model.blocks[0].__dict__
+
+
+def test_compiled_after_apply_trains_with_the_same_gradients() -> None:
+    model, inputs, loss_fn = gpt_dropout()
+    model = model.float()
+    for block in model.blocks:
+        block.mlp[3].p = 0.0
+    state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, inputs, loss_fn, state)
+    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    compiled = torch.compile(optremat.apply(model, plan), backend="aot_eager")
+    assert_same_step(train_step(compiled, model, inputs, loss_fn, state), want, tolerance=1e-5)
+
+
+def test_saved_tensors_on_cpu_and_a_deep_copy_run_the_plan() -> None:
+    model, inputs, loss_fn = convnet()
+    state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, inputs, loss_fn, state)
+    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    optremat.apply(model, plan)
+    with torch.autograd.graph.save_on_cpu():
+        assert_same_step(train_step(model, model, inputs, loss_fn, state), want)
+    twin = copy.deepcopy(model)
+    assert_same_step(train_step(twin, twin, inputs, loss_fn, state), want)
+    optremat.remove(twin)
+    assert_same_step(train_step(model, model, inputs, loss_fn, state), want)
+
+
+def test_planning_a_model_with_a_plan_on_it_plans_the_model_itself() -> None:
+    model, inputs, loss_fn = gpt_dropout()
+    first = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    optremat.apply(model, first)
+    again = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    assert again.fingerprint == first.fingerprint and again.baseline_peak_bytes == first.baseline_peak_bytes
+
+
+def test_other_shapes_run_planned_below_their_unplanned_peak() -> None:
+    example = build("gpt-tiny")
+    model, (idx,) = example.model, example.inputs
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    plan = optremat.plan(model, (idx,), 0.92, loss_fn=loss_fn, time_limit=5)
+    params = list(model.parameters())
+    for other in (torch.randint(0, 128, (idx.shape[0] * 4, idx.shape[1])), idx[:, :16].repeat(8, 1)):
+        priced = plan.reprice(model, (other,), loss_fn)
+        assert priced.regions == plan.regions and priced.predicted_peak_bytes < priced.baseline_peak_bytes
+
+        def step() -> tuple:
+            return torch.autograd.grad(loss_fn(model(other)), params)
+
+        optremat.apply(model, plan)
+        planned = measure_peak(step, resident=[params, other]).peak_bytes
+        optremat.remove(model)
+        unplanned = measure_peak(step, resident=[params, other]).peak_bytes
+        saved, predicted = unplanned - planned, priced.baseline_peak_bytes - priced.predicted_peak_bytes
+        assert saved > 0 and abs(saved - predicted) <= 0.1 * predicted, (saved, predicted)

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from optremat.extract import tracing
 from optremat.regions import Region, parse_span
 
 _RUNTIME = "_optremat_runtime"
@@ -132,7 +133,7 @@ def _new_forward(model: nn.Module, args: Any) -> None:
 def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: _RegionState = getattr(module, _REGION)
     original = state.forward if state.owned else types.MethodType(state.forward, module)
-    if not torch.is_grad_enabled() or module.training != state.runtime.training:
+    if tracing() or not torch.is_grad_enabled() or module.training != state.runtime.training:
         return original(*args, **kwargs)
     call = state.runtime.next_call(state.path)
     region = state.runtime.regions.get((state.path, call))
@@ -176,7 +177,11 @@ def _context_fn(module: nn.Module, mutated: tuple[str, ...], region: Region) -> 
 
 
 def _contexts(region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
-    """The forward's and the recomputation's contexts for one call of a region."""
+    """The forward's and the recomputation's contexts for one call of a region. Under
+    torch.compile the policy marks the traced ops and the partitioner recomputes them (no
+    Python rerun, so no scratch buffers), and dynamo takes only selective policies' contexts."""
+    if torch.compiler.is_compiling():
+        return create_selective_checkpoint_contexts(_policy(region.saved))
     scratch = _Scratch(buffers)
     if not region.saved:
         return contextlib.nullcontext(), scratch
