@@ -79,13 +79,16 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
         trained = optremat.apply(model, plan)
         step(trained)
         measured = measure_peak(lambda: step(trained), resident=[params, list(model.buffers()), inputs]).peak_bytes
+        optremat.remove(model)
         ratios = []
         for _ in range(runs):
             times = []
-            for module in (model, trained):
+            for planned in (False, True):
+                module = optremat.apply(model, plan) if planned else model
                 begin = time.perf_counter()
                 step(module)
                 times.append(time.perf_counter() - begin)
+                optremat.remove(model)
             ratios.append(times[1] / times[0])
         return [name, runtime, label, f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
                 format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",

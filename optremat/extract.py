@@ -169,6 +169,20 @@ def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: C
     return max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0)
 
 
+def assumed_loss(out: Any) -> torch.Tensor:
+    """The loss a plan prices when none is given: a cross-entropy over the last dimension
+    of the output's largest floating-point tensor, as a language model's or classifier's
+    loss is computed after the model (it holds a log-softmax and two gradients of the
+    output's size). Only the price depends on it: any loss trains under the plan."""
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise ExtractionError("the model's output has no tensor that requires grad; pass loss_fn or check the model")
+    logits = max(leaves, key=lambda t: t.numel())
+    flat = logits.reshape(-1, logits.shape[-1]) if logits.dim() > 1 else logits.reshape(1, -1)
+    target = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return nn.functional.cross_entropy(flat.float(), target)
+
+
 class _Output(nn.Module):
     """A module with no inputs returning tensors shaped like a model's output, those
     that take a gradient as parameters, so that tracing a loss over it is a training step."""

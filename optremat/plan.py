@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from optremat.budget import ACCEPTED, InfeasibleBudget, resolve_budget
 from optremat.coarsen import coarsen
-from optremat.extract import Traced, loss_bytes, trace
+from optremat.extract import Traced, assumed_loss, loss_bytes, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
 from optremat.ilp.layout import ALIGNMENT, layout
@@ -156,7 +156,7 @@ class Plan:
         if self.runtime != "native":
             raise ValueError("only native plans run at other shapes; plan the exact runtime again")
         inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        traced = trace(model, inputs, loss_fn, device=_model_device(model))
+        traced = trace(model, inputs, loss_fn or assumed_loss, device=_model_device(model))
         rmap = _region_map(traced, model)
         priced = price(rmap, *kept_of(rmap, self.regions), "reprice")
         return replace(self, graph=traced.graph, schedule=priced.lowering.schedule,
@@ -233,9 +233,11 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     of the user's model under checkpoint with selective policies; `loss_fn` folds the loss
     into what is planned) or "exact" (the whole traced step op by op, so the solver's
     schedule runs as it is; the loss runs outside it, and `loss_fn` makes the plan leave
-    room for the loss's memory). Without `loss_fn` the output's gradient is priced as an
-    input of the backward and the loss as holding nothing more; `summary()` says so. With the exact runtime, `order="best"` also lets the step run its independent
-    ops in another order where that lowers the unplanned peak (`optremat.order.best_order`).
+    room for the loss's memory). Without `loss_fn`, a native plan prices the loss as a
+    cross-entropy over the output's last dimension (`extract.assumed_loss`) and an exact
+    plan as holding nothing beyond the output's gradient; `summary()` says which. With the
+    exact runtime, `order="best"` also lets the step run its independent ops in another
+    order where that lowers the unplanned peak (`optremat.order.best_order`).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -248,7 +250,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     device_name = device or _model_device(model)
-    folded = loss_fn if runtime == "native" else None
+    folded = (loss_fn or assumed_loss) if runtime == "native" else None
     traced = trace(model, inputs, folded, cost_model=cost_model, device=device_name)
     loss = 0 if loss_fn is None or folded else loss_bytes(model, inputs, loss_fn, device=device_name)
     graph = _with_loss(traced.graph, traced, _leaf_count(model, inputs), loss)
@@ -266,7 +268,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         else:
             found = _solve_native(_region_map(traced, model), budget_bytes, **options)
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
-                       mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn))
+                       mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn, runtime))
 
     if cache is None:
         return solved()
@@ -414,10 +416,14 @@ def _region_map(traced: Traced, model: nn.Module) -> RegionMap:
     return RegionMap(traced.graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences)
 
 
-def _loss_note(loss_fn: Callable | None) -> str:
-    if loss_fn is None:
-        return ("not given: the output's gradient is priced as an input of the backward and the loss as holding "
+def _loss_note(loss_fn: Callable | None, runtime: str = "native") -> str:
+    if runtime == "exact":
+        return ("room left for it (loss_fn)" if loss_fn is not None else
+                "not given: the output's gradient is priced as an input of the backward and the loss as holding "
                 "nothing more; pass loss_fn to price it")
+    if loss_fn is None:
+        return ("not given: priced as a cross-entropy over the last dimension of the largest output (a log-softmax "
+                "and two gradients of its size); pass loss_fn to price another")
     return "priced as part of the step (loss_fn)"
 
 

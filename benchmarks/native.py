@@ -1,0 +1,166 @@
+"""Equal measured peak: optremat's native runtime against per-block checkpointing.
+
+    python -m benchmarks.native [--models gpt-mini,resnet-mini,llama] [--rounds 9] [--limit 20]
+
+For each model: the unplanned step and per-block checkpointing (HF's
+`gradient_checkpointing_enable()` for the Llama, non-reentrant `torch.utils.checkpoint`
+around every repeated block for the built-in models) are measured; optremat is planned
+with per-block checkpointing's measured peak as its budget, and at 50/70/90% of the
+unplanned simulated peak. Every configuration's step time is measured in the same
+process, interleaved over `rounds` rounds; the overhead is the median of the per-round
+ratios to the unplanned step. The Llama (transformers' `LlamaConfig`, random weights,
+sdpa attention, dataclass output) computes its loss outside the model, from the logits,
+as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import optremat
+from optremat.bench import checkpointed_blocks, repeated_blocks
+from optremat.graph import format_bytes
+from optremat.models import build
+from optremat.runtime.measure import measure_peak
+
+OUT = Path(__file__).with_name("native.md")
+HEADER = ["model", "method", "budget", "predicted peak", "measured peak", "measured / predicted",
+          "predicted overhead", "measured overhead (median)", "plan s"]
+
+
+@dataclass
+class Case:
+    """A model, its inputs, a loss over its output, and per-block checkpointing as users write it."""
+
+    model: torch.nn.Module
+    inputs: tuple
+    loss_fn: Callable[[Any], torch.Tensor]
+    per_block: Callable[[Callable[[], Any]], Any]
+
+
+def llama() -> Case:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         attn_implementation="sdpa", tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 8192, (4, 256))
+    labels = torch.randint(0, 8192, (4 * 256,))
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        return F.cross_entropy(out.logits.float().view(-1, 8192), labels)
+
+    def per_block(step: Callable[[], Any]) -> Any:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            return step()
+        finally:
+            model.gradient_checkpointing_disable()
+
+    return Case(model, (ids,), loss_fn, per_block)
+
+
+def built_in(name: str) -> Case:
+    example = build(name)
+    blocks = repeated_blocks(example.model)
+
+    def per_block(step: Callable[[], Any]) -> Any:
+        with checkpointed_blocks(example.model, blocks):
+            return step()
+
+    return Case(example.model, example.inputs, example.loss_fn, per_block)
+
+
+def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
+    case = llama() if name == "llama" else built_in(name)
+    model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
+    params = [p for p in model.parameters() if p.requires_grad]
+    resident = [params, list(model.buffers()), inputs]
+
+    def step() -> tuple:
+        return torch.autograd.grad(loss_fn(model(*inputs)), params)
+
+    def under(plan: optremat.Plan) -> Callable[[], Any]:
+        def run() -> Any:
+            optremat.apply(model, plan)
+            try:
+                return step()
+            finally:
+                optremat.remove(model)
+        return run
+
+    def measured(run: Callable[[], Any]) -> int:
+        run()
+        return measure_peak(run, resident=resident).peak_bytes
+
+    methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]] = {}
+    unplanned = measured(step)
+    methods["unplanned"] = (step, {"method": "unplanned", "measured peak": format_bytes(unplanned)})
+    blocks = lambda: case.per_block(step)  # noqa: E731
+    block_peak = measured(blocks)
+    methods["per-block"] = (blocks, {"method": "per-block checkpoint", "measured peak": format_bytes(block_peak)})
+    budgets: list[tuple[str, int | float, bool]] = [("= per-block peak", block_peak, True)]
+    if name == "llama":
+        budgets.append(("= per-block peak, no loss_fn", block_peak, False))
+    budgets += [(f"{f:.0%}", f, True) for f in (0.5, 0.7, 0.9)]
+    for label, budget, with_loss in budgets:
+        started = time.perf_counter()
+        try:
+            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn if with_loss else None, time_limit=limit)
+        except optremat.InfeasibleBudget as error:
+            methods[label] = (None, {"method": "optremat", "budget": label,
+                                     "predicted peak": f"infeasible (smallest {format_bytes(error.smallest)})"})
+            continue
+        seconds = time.perf_counter() - started
+        peak = measured(under(plan))
+        methods[label] = (under(plan), {
+            "method": "optremat", "budget": label, "predicted peak": format_bytes(plan.predicted_peak_bytes),
+            "measured peak": format_bytes(peak), "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
+            "predicted overhead": f"{plan.predicted_overhead:+.1%}", "plan s": f"{seconds:.1f}"})
+    ratios: dict[str, list[float]] = {key: [] for key, (run, _) in methods.items() if run is not None}
+    for _ in range(rounds):
+        times = {}
+        for key in ratios:
+            begin = time.perf_counter()
+            methods[key][0]()
+            times[key] = time.perf_counter() - begin
+        for key in ratios:
+            ratios[key].append(times[key] / times["unplanned"])
+    for key, values in ratios.items():
+        methods[key][1]["measured overhead (median)"] = f"{statistics.median(values) - 1:+.1%}"
+    return [[name] + [fields.get(column, "-") for column in HEADER[1:]] for _, fields in methods.values()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--limit", type=float, default=20.0)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    lines = ["# Native runtime at equal measured peak", "",
+             f"Machine: {machine}, no GPU. Command: `python -m benchmarks.native --models {args.models} "
+             f"--rounds {args.rounds} --limit {args.limit:g}`.", "", __doc__.split("\n\n", 1)[1].strip(), "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for name in args.models.split(","):
+        for cells in rows(name, args.rounds, args.limit):
+            lines.append("| " + " | ".join(cells) + " |")
+            print(" | ".join(cells), flush=True)
+    OUT.write_text("\n".join(lines) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Region plans: every keep set lowers to regions whose schedule runs, and a plan read back
+from its keys (as at another input shape) is the same plan."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import optremat
+from optremat.extract import trace
+from optremat.models import build
+from optremat.plan import _region_map
+from optremat.regions import RegionMap, kept_of, parse_span, price, span_path
+
+MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny", "rnn-tiny", "unet-tiny", "vgg-tiny")
+
+
+@functools.lru_cache(maxsize=None)
+def region_map(name: str) -> RegionMap:
+    example = build(name)
+    return _region_map(trace(example.model, example.inputs, example.loss_fn), example.model)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from(MODELS), data=st.data())
+def test_any_keep_set_lowers_to_a_schedule_that_runs_and_reads_back(name: str, data: st.DataObject) -> None:
+    rmap = region_map(name)
+    structures = rmap.structures()
+    structure = structures[data.draw(st.integers(0, len(structures) - 1))]
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    kept = np.random.default_rng(seed).random(rmap.graph.n) < data.draw(st.floats(0, 1))
+    priced = price(rmap, structure, kept, "random")
+    unplanned = optremat.simulate(rmap.graph, optremat.keep_all(rmap.graph))
+    assert priced.result.cost >= unplanned.cost
+    assert all((r.path, r.call) in structure for r in priced.lowering.regions)
+    again = price(rmap, *kept_of(rmap, priced.lowering.regions), "again")
+    assert again.lowering.regions == priced.lowering.regions
+    assert (again.result.peak_bytes, again.result.cost) == (priced.result.peak_bytes, priced.result.cost)
+
+
+def test_span_paths_read_back() -> None:
+    assert parse_span(span_path("features", 2, 5)) == ("features", 2, 5)
+    assert parse_span(span_path("", 0, 3)) == ("", 0, 3)
+    assert parse_span("blocks.0") is None
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
+def test_structures_hold_every_depth_and_sequential_spans(name: str) -> None:
+    rmap = region_map(name)
+    structures = rmap.structures()
+    spans = [s for s in structures if all(parse_span(path) for path, _ in s)]
+    calls = [s for s in structures if not any(parse_span(path) for path, _ in s)]
+    sequences = {parse_span(path)[0] for structure in spans for path, _ in structure}
+    assert sequences == ({""} if name == "mlp-tiny" else {"blocks.0.mlp", "blocks.1.mlp"})
+    for structure in spans:
+        members = np.concatenate([rmap.members[c] for c in structure])
+        assert len(members) == len(set(members.tolist())), "the spans of one structure tile without overlap"
+    if name == "gpt-tiny":
+        assert [c for c, _ in calls[0]][:2] == ["tok", "pos"] and ("blocks.0", 0) in calls[0]
+
+
+def test_random_ops_are_never_saved() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.5), torch.nn.GELU())
+                                  for _ in range(4)])
+    inputs = (torch.randn(64, 32),)
+    rmap = _region_map(trace(model, inputs, lambda out: out.sum()), model)
+    structure = next(s for s in rmap.structures() if s[0][0] == "0")
+    for kept in (np.zeros(rmap.graph.n, dtype=bool), np.ones(rmap.graph.n, dtype=bool)):
+        regions = price(rmap, structure, kept, "any").lowering.regions
+        assert regions, "dropping activations checkpoints the blocks"
+        saved = {op for region in regions for op, _ in region.saved}
+        assert not saved & {"bernoulli_.float", "native_dropout.default", "bernoulli.p"}, saved
