@@ -1,14 +1,17 @@
-"""Equal measured peak: optremat's native runtime against per-block checkpointing.
+"""Equal measured peak: optremat's native runtime against what users pick instead.
 
     python -m benchmarks.native [--models gpt-mini,resnet-mini,llama] [--rounds 9] [--limit 20]
 
-For each model: the unplanned step and per-block checkpointing (HF's
+For each model: the unplanned step, per-block checkpointing (HF's
 `gradient_checkpointing_enable()` for the Llama, non-reentrant `torch.utils.checkpoint`
-around every repeated block for the built-in models) are measured; optremat is planned
-with per-block checkpointing's measured peak as its budget, and at 50/70/90% of the
-unplanned simulated peak. Every configuration's step time is measured in the same
-process, interleaved over `rounds` rounds; the overhead is the median of the per-round
-ratios to the unplanned step. The Llama (transformers' `LlamaConfig`, random weights,
+around every repeated block for the built-in models) and `torch.compile` with PyTorch's
+`activation_memory_budget` at 0.5 and 0.3 (backend aot_eager_decomp_partition, a fresh
+backend callable per budget) are measured; optremat is planned with each peer's measured
+peak as its budget ("= peer"), and at 50/70/90% of the unplanned simulated peak. Every
+configuration's step time is measured in the same process, interleaved over `rounds`
+rounds; the overhead is the median of the per-round ratios to the unplanned step of the
+same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
+for PyTorch's budgets. The Llama (transformers' `LlamaConfig`, random weights,
 sdpa attention, dataclass output) computes its loss outside the model, from the logits,
 as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
 """
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import optremat
-from optremat.bench import checkpointed_blocks, repeated_blocks
+from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend
 from optremat.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
@@ -88,8 +91,10 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
     params = [p for p in model.parameters() if p.requires_grad]
     resident = [params, list(model.buffers()), inputs]
 
-    def step() -> tuple:
-        return torch.autograd.grad(loss_fn(model(*inputs)), params)
+    def step_of(module: torch.nn.Module) -> Callable[[], tuple]:
+        return lambda: torch.autograd.grad(loss_fn(module(*inputs)), params)
+
+    step = step_of(model)
 
     def under(plan: optremat.Plan) -> Callable[[], Any]:
         def run() -> Any:
@@ -110,9 +115,17 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
     blocks = lambda: case.per_block(step)  # noqa: E731
     block_peak = measured(blocks)
     methods["per-block"] = (blocks, {"method": "per-block checkpoint", "measured peak": format_bytes(block_peak)})
-    budgets: list[tuple[str, int | float, bool]] = [("= per-block peak", block_peak, True)]
+    budgets: list[tuple[str, int | float, bool]] = [("= per-block", block_peak, True)]
     if name == "llama":
-        budgets.append(("= per-block peak, no loss_fn", block_peak, False))
+        budgets.append(("= per-block, no loss_fn", block_peak, False))
+    for fraction in (1.0, 0.5, 0.3):
+        compiled = step_of(torch.compile(model, backend=torch_budget_backend(fraction)))
+        peak = measured(compiled)
+        key = "compiled" if fraction == 1.0 else f"torch {fraction:g}"
+        methods[key] = (compiled, {"method": f"torch.compile, activation_memory_budget {fraction:g}",
+                                   "measured peak": format_bytes(peak)})
+        if fraction < 1.0:
+            budgets.append((f"= torch {fraction:g}", peak, True))
     budgets += [(f"{f:.0%}", f, True) for f in (0.5, 0.7, 0.9)]
     for label, budget, with_loss in budgets:
         started = time.perf_counter()
@@ -136,7 +149,8 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
             methods[key][0]()
             times[key] = time.perf_counter() - begin
         for key in ratios:
-            ratios[key].append(times[key] / times["unplanned"])
+            base = "compiled" if key.startswith("torch") or key == "compiled" else "unplanned"
+            ratios[key].append(times[key] / times[base])
     for key, values in ratios.items():
         methods[key][1]["measured overhead (median)"] = f"{statistics.median(values) - 1:+.1%}"
     return [[name] + [fields.get(column, "-") for column in HEADER[1:]] for _, fields in methods.values()]

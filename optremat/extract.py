@@ -150,7 +150,8 @@ def trace(
     graph = _to_graph(gm, placeholder_kinds, param_names, costs, results)
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes = [by_name[name] for name in graph.names]
-    calls = tuple(() if graph.backward[i] else _call_stack(node) for i, node in enumerate(nodes))
+    calls = tuple(_call_stack(node) if kind == "op" and not backward else ()
+                  for node, kind, backward in zip(nodes, graph.kind, graph.backward.tolist()))
     random = tuple(torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) for node in nodes)
     return Traced(gm, graph, structure["spec"], leaves, _grad_of(gm, graph), structure["gradients"],
                   structure["tangents"], calls, random, _mutated_buffers(gm, list(params), list(buffers)))
