@@ -196,7 +196,7 @@ def main() -> None:
                 "Execution order: the traced order against the one `optremat.order.best_order` picks (greedy "
                 "least-net-bytes list scheduling, in-place ops kept after the readers of what they overwrite; kept "
                 "only where the unplanned peak drops). The budget is 70% of the traced order's unplanned peak. The "
-                "exact runtime runs a reordered plan (`order=\"best\"`); the checkpoint runtime keeps the traced "
+                "exact runtime runs a reordered plan (`order=\"best\"`); the native runtime keeps the model's own "
                 "order.", "",
                 layout.order_section(list(config.plan_models), 0.7, config.plan_limit))
     command = " ".join([mode] + ([f"--sections {args.sections}"] if sections != list(SECTIONS) else [])

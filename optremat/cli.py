@@ -71,7 +71,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.model:
         if args.share:
             raise ValueError("--share is for --graph files; a model's plan shares whenever it runs with "
-                             "--runtime exact, and the checkpoint runtime cannot share")
+                             "--runtime exact, and the native runtime cannot share")
         return _plan_model(args, progress)
     from optremat.budget import resolve_budget
     from optremat.solve import solve

@@ -20,12 +20,15 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Peak rates of a device; an op costs max(FLOPs / flops, bytes / bandwidth) + launch."""
+    """Peak rates of a device; an op costs max(FLOPs / flops, bytes / bandwidth) + launch.
+    `dispatch_seconds` is what a Python dispatch mode (selective checkpointing's) adds to
+    each op it sees, on the host that drives the device."""
 
     name: str
     flops_per_second: float
     bytes_per_second: float
     launch_seconds: float
+    dispatch_seconds: float = 1.6e-5
 
 
 DEVICES: dict[str, DeviceProfile] = {

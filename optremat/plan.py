@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from optremat.budget import ACCEPTED, InfeasibleBudget, resolve_budget
 from optremat.coarsen import coarsen
+from optremat.costs import device_profile
 from optremat.extract import Traced, assumed_loss, loss_bytes, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
@@ -157,12 +158,12 @@ class Plan:
             raise ValueError("only native plans run at other shapes; plan the exact runtime again")
         inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         traced = trace(model, inputs, loss_fn or assumed_loss, device=_model_device(model))
-        rmap = _region_map(traced, model)
+        rmap = _region_map(traced, model, _model_device(model))
         priced = price(rmap, *kept_of(rmap, self.regions), "reprice")
         return replace(self, graph=traced.graph, schedule=priced.lowering.schedule,
                        budget_bytes=priced.result.peak_bytes, predicted_peak_bytes=priced.result.peak_bytes,
                        baseline_peak_bytes=simulate(traced.graph, keep_all(traced.graph)).peak_bytes,
-                       predicted_overhead=priced.result.overhead, solver_overhead=priced.result.overhead,
+                       predicted_overhead=priced.overhead, solver_overhead=priced.overhead,
                        loss=_loss_note(loss_fn), cached=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -266,7 +267,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         if runtime == "exact":
             found = _solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
         else:
-            found = _solve_native(_region_map(traced, model), budget_bytes, **options)
+            found = _solve_native(_region_map(traced, model, device_name), budget_bytes, **options)
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
                        mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn, runtime))
 
@@ -394,26 +395,27 @@ def _solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit
     if not fitting:
         raise InfeasibleBudget(budget_bytes, min(c.result.peak_bytes for c in candidates),
                                f"{solver} on the native runtime")
-    best: Priced = min(fitting, key=lambda c: c.result.cost)
+    best: Priced = min(fitting, key=lambda c: c.cost)
     result = best.result
     if best.source == "solver":
         solver_overhead = solution.cost / total - 1
-        lossless = result.overhead <= solver_overhead + 1e-9
+        lossless = best.overhead <= solver_overhead + 1e-9
         name, status = solution.solver, solution.status if lossless or solution.status != OPTIMAL else FEASIBLE
     else:
-        solver_overhead = result.overhead
+        solver_overhead = best.overhead
         name, status = best.source, FEASIBLE if solution is not None and solution.lower_bound is not None else HEURISTIC
     return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
                 budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
-                predicted_overhead=result.overhead, solver=name, status=status,
+                predicted_overhead=best.overhead, solver=name, status=status,
                 lower_bound=None if solution is None or solution.lower_bound is None else solution.lower_bound / total - 1,
                 solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead)
 
 
-def _region_map(traced: Traced, model: nn.Module) -> RegionMap:
+def _region_map(traced: Traced, model: nn.Module, device: str) -> RegionMap:
     sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
                  for path, module in model.named_modules() if isinstance(module, nn.Sequential)}
-    return RegionMap(traced.graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences)
+    return RegionMap(traced.graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
+                     device_profile(device).dispatch_seconds)
 
 
 def _loss_note(loss_fn: Callable | None, runtime: str = "native") -> str:

@@ -57,10 +57,13 @@ class Region:
 
 @dataclass(frozen=True, eq=False)
 class Lowering:
-    """The regions that run under checkpoint and the schedule they execute on the graph."""
+    """The regions that run under checkpoint and the schedule they execute on the graph;
+    `runtime_cost` is what the runtime itself adds (seconds): selective policies see every
+    op of their region in the forward and again in the rerun."""
 
     regions: tuple[Region, ...]
     schedule: Schedule
+    runtime_cost: float = 0.0
 
 
 def span_path(path: str, start: int, stop: int) -> str:
@@ -83,13 +86,15 @@ class RegionMap:
     backward ops and sources), whether it draws random numbers, and (`grad_of`) per
     backward op the forward op whose autograd node runs it (-1 if none). `sequences`
     names the children of each nn.Sequential (by path, "" for the model itself): a run
-    of consecutive children is a region too, as `checkpoint_sequential` makes them."""
+    of consecutive children is a region too, as `checkpoint_sequential` makes them.
+    `dispatch_seconds` is the cost of a selective policy's look at one op."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]
     random: np.ndarray
     grad_of: np.ndarray
     sequences: dict[str, tuple[str, ...]]
+    dispatch_seconds: float = 0.0
 
     @cached_property
     def members(self) -> dict[Call, np.ndarray]:
@@ -210,12 +215,17 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     recompute: dict[int, list[int]] = {}
     held: dict[int, int] = {}
     regions = []
+    dispatched = 0
     for call in structure:
         members = rmap.members[call]
         plan = _region(rmap, members, kept)
         if plan is None:
             continue
         t, saved_ops, recomputed = plan
+        if saved_ops:
+            last = max(v for v in members.tolist() if facts.unpacks[v])
+            dispatched += sum(graph.ops[v] != "getitem" for v in members.tolist()) \
+                + sum(graph.ops[v] != "getitem" for v in members.tolist() if v <= last)
         recompute.setdefault(t, []).extend(recomputed)
         released = min(max([t] + [s + 1 for v in members.tolist() for s in facts.ran[v]]), graph.n - 1)
         inside = set(members.tolist())
@@ -227,7 +237,7 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
             held[o] = max(held.get(o, t + 1), min(t + 1, graph.n - 1))
         keys = rmap.keys(call)
         regions.append(Region(call[0], call[1], frozenset(keys[o] for o in saved_ops)))
-    return Lowering(tuple(regions), _schedule(graph, recompute, held))
+    return Lowering(tuple(regions), _schedule(graph, recompute, held), dispatched * rmap.dispatch_seconds)
 
 
 def _region(rmap: RegionMap, members: np.ndarray, kept: np.ndarray) -> tuple[int, list[int], list[int]] | None:
@@ -313,11 +323,20 @@ def kept_of(rmap: RegionMap, regions: Sequence[Region]) -> tuple[tuple[Call, ...
 
 @dataclass(frozen=True, eq=False)
 class Priced:
-    """A lowering and its simulation, with what produced it."""
+    """A lowering and its simulation, with what produced it: `cost` and `overhead` count
+    the graph's computations and the runtime's own cost."""
 
     lowering: Lowering
     result: SimResult
     source: str
+
+    @property
+    def cost(self) -> float:
+        return self.result.cost + self.lowering.runtime_cost
+
+    @property
+    def overhead(self) -> float:
+        return self.cost / self.result.baseline_cost - 1.0 if self.result.baseline_cost > 0 else 0.0
 
 
 def price(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray, source: str) -> Priced:
@@ -346,9 +365,9 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
                                    len(drops), budget))
         whole = _shortest(lambda k: _whole(rmap, structure, k), len(structure), budget)
         found.append(whole)
-        dropped = np.nonzero(inside & ~_kept_by(whole.lowering, rmap, structure))[0]
+        base = _kept_by(whole.lowering, rmap)
+        dropped = np.nonzero(inside & ~base)[0]
         readded = dropped[np.argsort(-graph.cost[dropped] / np.maximum(graph.size[dropped], 1), kind="stable")]
-        base = _kept_by(whole.lowering, rmap, structure)
         found.append(_longest(lambda k: _readding(rmap, structure, base, readded[:k]), len(readded), budget,
                               whole))
     return found
@@ -374,7 +393,7 @@ def _readding(rmap: RegionMap, structure: Sequence[Call], base: np.ndarray, agai
     return price(rmap, structure, kept, "per-region+saves")
 
 
-def _kept_by(lowering: Lowering, rmap: RegionMap, structure: Sequence[Call]) -> np.ndarray:
+def _kept_by(lowering: Lowering, rmap: RegionMap) -> np.ndarray:
     """The keep set a lowering realises (its regions' saved ops; everything outside them)."""
     return kept_of(rmap, lowering.regions)[1] if lowering.regions else np.ones(rmap.graph.n, dtype=bool)
 

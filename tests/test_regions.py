@@ -23,7 +23,7 @@ MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny", "rnn-tiny", "unet-tiny", "vgg-t
 @functools.lru_cache(maxsize=None)
 def region_map(name: str) -> RegionMap:
     example = build(name)
-    return _region_map(trace(example.model, example.inputs, example.loss_fn), example.model)
+    return _region_map(trace(example.model, example.inputs, example.loss_fn), example.model, "cpu")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -69,7 +69,7 @@ def test_random_ops_are_never_saved() -> None:
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.5), torch.nn.GELU())
                                   for _ in range(4)])
     inputs = (torch.randn(64, 32),)
-    rmap = _region_map(trace(model, inputs, lambda out: out.sum()), model)
+    rmap = _region_map(trace(model, inputs, lambda out: out.sum()), model, "cpu")
     structure = next(s for s in rmap.structures() if s[0][0] == "0")
     for kept in (np.zeros(rmap.graph.n, dtype=bool), np.ones(rmap.graph.n, dtype=bool)):
         regions = price(rmap, structure, kept, "any").lowering.regions
