@@ -8,9 +8,10 @@ around every repeated block for the built-in models) and `torch.compile` with Py
 `activation_memory_budget` at 0.5 and 0.3 (backend aot_eager_decomp_partition, a fresh
 backend callable per budget) are measured; optremat is planned with each peer's measured
 peak as its budget ("= peer"), and at 50/70/90% of the unplanned simulated peak. Every
-configuration's step time is measured in the same process, interleaved over `rounds`
-rounds after one uncounted warm-up round; the overhead is the median of the per-round
-ratios to the unplanned step of the same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
+configuration's step time is measured in the same process over `rounds` rounds after one
+uncounted warm-up round; in each round the configurations run in a shuffled order, each
+right after a step of its baseline, and the overhead is the median of the per-round ratios
+to that baseline, the unplanned step of the same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
 for PyTorch's budgets. The Llama (transformers' `LlamaConfig`, random weights,
 sdpa attention, dataclass output) computes its loss outside the model, from the logits,
 as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -142,20 +144,24 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
             "measured peak": format_bytes(peak), "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
             "predicted overhead": f"{plan.predicted_overhead:+.1%}", "plan s": f"{seconds:.1f}"})
     ratios: dict[str, list[float]] = {key: [] for key, (run, _) in methods.items() if run is not None}
+    order = random.Random(0)
     for key in ratios:
         methods[key][0]()
     for _ in range(rounds):
-        times = {}
-        for key in ratios:
-            begin = time.perf_counter()
-            methods[key][0]()
-            times[key] = time.perf_counter() - begin
-        for key in ratios:
-            base = "compiled" if key.startswith("torch") or key == "compiled" else "unplanned"
-            ratios[key].append(times[key] / times[base])
+        keys = list(ratios)
+        order.shuffle(keys)
+        for key in keys:
+            baseline = methods["compiled" if key.startswith("torch") or key == "compiled" else "unplanned"][0]
+            ratios[key].append(_seconds(methods[key][0]) / _seconds(baseline))
     for key, values in ratios.items():
         methods[key][1]["measured overhead (median)"] = f"{statistics.median(values) - 1:+.1%}"
     return [[name] + [fields.get(column, "-") for column in HEADER[1:]] for _, fields in methods.values()]
+
+
+def _seconds(run: Callable[[], Any]) -> float:
+    begin = time.perf_counter()
+    run()
+    return time.perf_counter() - begin
 
 
 def main() -> None:

@@ -348,8 +348,8 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
     """Region plans that compete for `budget`, one family per structure (depth of the call
     tree): the solver's keep set and keeping everything, each less the shortest prefix of
     the benefit order that fits; checkpointing the first k regions whole (the smallest k
-    that fits); and that plan with the most expensive-to-recompute ops saved again while
-    it still fits."""
+    that fits); and that plan, and every region checkpointed, with the most
+    expensive-to-recompute ops saved again while it still fits."""
     graph = rmap.graph
     order = drop_order(graph)
     found = []
@@ -365,12 +365,20 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
                                    len(drops), budget))
         whole = _shortest(lambda k: _whole(rmap, structure, k), len(structure), budget)
         found.append(whole)
-        base = _kept_by(whole.lowering, rmap)
-        dropped = np.nonzero(inside & ~base)[0]
-        readded = dropped[np.argsort(-graph.cost[dropped] / np.maximum(graph.size[dropped], 1), kind="stable")]
-        found.append(_longest(lambda k: _readding(rmap, structure, base, readded[:k]), len(readded), budget,
-                              whole))
+        for start in (whole, _whole(rmap, structure, len(structure))):
+            found.append(_saved_again(rmap, structure, inside, start, budget))
     return found
+
+
+def _saved_again(rmap: RegionMap, structure: Sequence[Call], inside: np.ndarray, start: Priced,
+                 budget: int) -> Priced:
+    """`start` with the ops that cost the most per byte to recompute saved again, as many
+    as still fit (the matmuls of a block saved, its pointwise ops recomputed)."""
+    graph = rmap.graph
+    base = _kept_by(start.lowering, rmap)
+    dropped = np.nonzero(inside & ~base)[0]
+    again = dropped[np.argsort(-graph.cost[dropped] / np.maximum(graph.size[dropped], 1), kind="stable")]
+    return _longest(lambda k: _readding(rmap, structure, base, again[:k]), len(again), budget, start)
 
 
 def _dropping(rmap: RegionMap, structure: Sequence[Call], start: np.ndarray, drops: list[int],
