@@ -13,8 +13,8 @@ uncounted warm-up round; in each round the configurations run in a shuffled orde
 right after a step of its baseline, and the overhead is the median of the per-round ratios
 to that baseline, the unplanned step of the same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
 for PyTorch's budgets. The Llama (transformers' `LlamaConfig`, random weights,
-sdpa attention, dataclass output) computes its loss outside the model, from the logits,
-as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
+sdpa attention, dataclass output, no KV cache in training) computes its loss outside the
+model, from the logits, as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def llama() -> Case:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         attn_implementation="sdpa", tie_word_embeddings=True)
+                         attn_implementation="sdpa", tie_word_embeddings=True, use_cache=False)
     model = LlamaForCausalLM(config).train()
     ids = torch.randint(0, 8192, (4, 256))
     labels = torch.randint(0, 8192, (4 * 256,))

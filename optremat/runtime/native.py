@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import types
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -95,6 +96,10 @@ def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fi
     if fingerprint != model_fingerprint(model):
         raise PlanMismatch(f"this plan was made for another model (fingerprint {fingerprint}, this model gives "
                            f"{model_fingerprint(model)}); plan again")
+    if regions and getattr(getattr(model, "config", None), "use_cache", False):
+        warnings.warn("optremat: model.config.use_cache is True: a checkpointed call that writes into a key/value "
+                      "cache created outside it sees another cache when it reruns, and checkpoint raises; set "
+                      "use_cache=False for training, as transformers' own gradient checkpointing does", stacklevel=3)
     remove(model)
     runtime = _Runtime(regions, training, model.register_forward_pre_hook(_new_forward))
     setattr(model, _RUNTIME, runtime)
