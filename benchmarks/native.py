@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import optremat
-from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend
+from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend, under
 from optremat.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
@@ -98,15 +98,6 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
 
     step = step_of(model)
 
-    def under(plan: optremat.Plan) -> Callable[[], Any]:
-        def run() -> Any:
-            optremat.apply(model, plan)
-            try:
-                return step()
-            finally:
-                optremat.remove(model)
-        return run
-
     def measured(run: Callable[[], Any]) -> int:
         run()
         return measure_peak(run, resident=resident).peak_bytes
@@ -138,8 +129,9 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
                                      "predicted peak": f"infeasible (smallest {format_bytes(error.smallest)})"})
             continue
         seconds = time.perf_counter() - started
-        peak = measured(under(plan))
-        methods[label] = (under(plan), {
+        planned = under(model, plan, step)
+        peak = measured(planned)
+        methods[label] = (planned, {
             "method": "optremat", "budget": label, "predicted peak": format_bytes(plan.predicted_peak_bytes),
             "measured peak": format_bytes(peak), "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
             "predicted overhead": f"{plan.predicted_overhead:+.1%}", "plan s": f"{seconds:.1f}"})

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 import optremat
+from optremat.bench import under
 from optremat.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
@@ -80,15 +81,14 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
         step(trained)
         measured = measure_peak(lambda: step(trained), resident=[params, list(model.buffers()), inputs]).peak_bytes
         optremat.remove(model)
+        planned = under(model, plan, lambda: step(trained))
         ratios = []
         for _ in range(runs):
             times = []
-            for planned in (False, True):
-                module = optremat.apply(model, plan) if planned else model
+            for run in (lambda: step(model), planned):
                 begin = time.perf_counter()
-                step(module)
+                run()
                 times.append(time.perf_counter() - begin)
-                optremat.remove(model)
             ratios.append(times[1] / times[0])
         return [name, runtime, label, f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
                 format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",

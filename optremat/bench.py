@@ -199,13 +199,13 @@ def compare(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], to
         except ValueError as error:
             add(Measured("optremat", "eager", matches=matches, note=str(error).split(";")[0]))
             continue
-        measure("optremat", eager, _under(model, planned, eager[1]), time.perf_counter() - started,
+        measure("optremat", eager, under(model, planned, eager[1]), time.perf_counter() - started,
                 predicted_peak_bytes=planned.predicted_peak_bytes, predicted_overhead=planned.predicted_overhead,
                 matches=matches)
     return results
 
 
-def _under(model: nn.Module, planned: Plan, step: Callable[[], Any]) -> Callable[[], Any]:
+def under(model: nn.Module, planned: Plan, step: Callable[[], Any]) -> Callable[[], Any]:
     """`step` run with `planned` installed on `model`, which runs unplanned between calls
     (so that unplanned and planned steps interleave in one process)."""
     def run() -> Any:

@@ -156,9 +156,9 @@ class Plan:
         with the peak and overhead they have there (the budget becomes that peak)."""
         if self.runtime != "native":
             raise ValueError("only native plans run at other shapes; plan the exact runtime again")
-        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        traced = trace(model, inputs, loss_fn or assumed_loss, device=_model_device(model))
-        rmap = _region_map(traced, model, _model_device(model))
+        device = _model_device(model)
+        traced = trace(model, example_inputs, loss_fn or assumed_loss, device=device)
+        rmap = _region_map(traced, model, device)
         priced = price(rmap, *kept_of(rmap, self.regions), "reprice")
         return replace(self, graph=traced.graph, schedule=priced.lowering.schedule,
                        budget_bytes=priced.result.peak_bytes, predicted_peak_bytes=priced.result.peak_bytes,

@@ -110,13 +110,13 @@ class RegionMap:
     def _spans_of(self, stack: tuple[Call, ...]) -> list[Call]:
         """The span regions holding a node run under `stack`: for each Sequential call in it
         (the model itself first), every span of the child the node runs in."""
+        calls = ((("", 0),) if "" in self.sequences else ()) + stack
         found = []
-        for j, (path, k) in enumerate(((("", 0),) if "" in self.sequences else ()) + stack):
-            inner = j if "" in self.sequences else j + 1
+        for (path, k), (child_path, _) in zip(calls, calls[1:]):
             children = self.sequences.get(path)
-            if children is None or inner >= len(stack) or stack[inner][0] not in children:
+            if children is None or child_path not in children:
                 continue
-            child = children.index(stack[inner][0])
+            child = children.index(child_path)
             found += [(span_path(path, a, b), k) for tiling in _tilings(len(children)).values()
                       for a, b in tiling if a <= child < b]
         return list(dict.fromkeys(found))
@@ -145,14 +145,19 @@ class RegionMap:
 
     def keys(self, call: Call) -> dict[int, tuple[str, int]]:
         """Each op of a call keyed as a selective policy counts it: (op, occurrence)."""
-        seen: dict[str, int] = {}
-        out = {}
-        for v in self.members[call].tolist():
-            op = self.graph.ops[v]
-            if op in UNCOUNTED:
-                continue
-            out[v] = (op, seen.get(op, 0))
-            seen[op] = seen.get(op, 0) + 1
+        return self._keys[call]
+
+    @cached_property
+    def _keys(self) -> dict[Call, dict[int, tuple[str, int]]]:
+        out: dict[Call, dict[int, tuple[str, int]]] = {}
+        for call, members in self.members.items():
+            seen: dict[str, int] = {}
+            out[call] = {}
+            for v in members.tolist():
+                op = self.graph.ops[v]
+                if op not in UNCOUNTED:
+                    out[call][v] = (op, seen.get(op, 0))
+                    seen[op] = seen.get(op, 0) + 1
         return out
 
     @cached_property
@@ -221,15 +226,15 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
         plan = _region(rmap, members, kept)
         if plan is None:
             continue
-        t, saved_ops, recomputed = plan
+        t, last, saved_ops, recomputed = plan
+        nodes = members.tolist()
         if saved_ops:
-            last = max(v for v in members.tolist() if facts.unpacks[v])
-            dispatched += sum(graph.ops[v] != "getitem" for v in members.tolist()) \
-                + sum(graph.ops[v] != "getitem" for v in members.tolist() if v <= last)
+            dispatched += sum(graph.ops[v] != "getitem" for v in nodes) \
+                + sum(graph.ops[v] != "getitem" for v in nodes if v <= last)
         recompute.setdefault(t, []).extend(recomputed)
-        released = min(max([t] + [s + 1 for v in members.tolist() for s in facts.ran[v]]), graph.n - 1)
-        inside = set(members.tolist())
-        for v in members.tolist():
+        released = min(max([t] + [s + 1 for v in nodes for s in facts.ran[v]]), graph.n - 1)
+        inside = set(nodes)
+        for v in nodes:
             for p in graph.preds[v].tolist():
                 if p not in inside and not graph.pinned[p]:
                     held[p] = max(held.get(p, released), released)
@@ -240,8 +245,9 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     return Lowering(tuple(regions), _schedule(graph, recompute, held), dispatched * rmap.dispatch_seconds)
 
 
-def _region(rmap: RegionMap, members: np.ndarray, kept: np.ndarray) -> tuple[int, list[int], list[int]] | None:
-    """(recompute stage, ops saved, nodes recomputed) of one region, or None when the
+def _region(rmap: RegionMap, members: np.ndarray, kept: np.ndarray) -> tuple[int, int, list[int], list[int]] | None:
+    """(recompute stage, last op whose autograd node saves a tensor, ops saved, nodes
+    recomputed) of one region, or None when the
     region runs plainly: nothing it would recompute is read by the backward, its rerun
     would write over a tensor from outside it, its autograd nodes save nothing, or an
     output the backward reads after the region cannot be saved (the rerun would make a
@@ -272,7 +278,7 @@ def _region(rmap: RegionMap, members: np.ndarray, kept: np.ndarray) -> tuple[int
     if any(facts.backward_reads[v] and facts.last_forward_read[v] > end for v in recomputed):
         return None
     t = min(s for v in nodes for s in facts.unpacks[v])
-    return t, sorted(saved_ops), recomputed
+    return t, last, sorted(saved_ops), recomputed
 
 
 def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int]) -> Schedule:

@@ -21,7 +21,7 @@ import hashlib
 import types
 import warnings
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -162,7 +162,7 @@ def _run_spans(module: nn.Sequential, state: _RegionState, spans: dict[int, tupl
             k += 1
             continue
         stop, region = spans[k]
-        names = [name for name in list(module._modules)[k:stop]]
+        names = list(module._modules)[k:stop]
         mutated = tuple(m for m in state.mutated if m.split(".")[0] in names)
         value = checkpoint(_run_children, children[k:stop], value, use_reentrant=False,
                            context_fn=_context_fn(module, mutated, region))
@@ -187,11 +187,10 @@ def _contexts(region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any
     Python rerun, so no scratch buffers), and dynamo takes only selective policies' contexts."""
     if torch.compiler.is_compiling():
         return create_selective_checkpoint_contexts(_policy(region.saved))
-    scratch = _Scratch(buffers)
     if not region.saved:
-        return contextlib.nullcontext(), scratch
+        return contextlib.nullcontext(), _scratch(buffers)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
-    return forward, _Both(scratch, recompute)
+    return forward, _rerun(_scratch(buffers), recompute)
 
 
 def _policy(saved: frozenset[tuple[str, int]]) -> Any:
@@ -207,35 +206,22 @@ def _policy(saved: frozenset[tuple[str, int]]) -> Any:
     return policy
 
 
-class _Both:
-    """Two context managers entered together."""
-
-    def __init__(self, first: Any, second: Any) -> None:
-        self.first, self.second = first, second
-
-    def __enter__(self) -> None:
-        self.first.__enter__()
-        self.second.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.second.__exit__(*exc)
-        self.first.__exit__(*exc)
+@contextlib.contextmanager
+def _rerun(scratch: Any, recompute: Any) -> Iterator[None]:
+    """Scratch buffers first: their copies must not pass through the selective mode."""
+    with scratch, recompute:
+        yield
 
 
-class _Scratch:
+@contextlib.contextmanager
+def _scratch(buffers: list[tuple[nn.Module, str]]) -> Iterator[None]:
     """Swaps the named buffers for copies while a region reruns, so the rerun's in-place
     writes (BatchNorm's running statistics) do not reach the model."""
-
-    def __init__(self, buffers: list[tuple[nn.Module, str]]) -> None:
-        self.buffers = buffers
-        self.real: list[torch.Tensor] = []
-
-    def __enter__(self) -> None:
-        self.real = [owner._buffers[name] for owner, name in self.buffers]
-        for (owner, name), tensor in zip(self.buffers, self.real):
-            owner._buffers[name] = tensor.detach().clone()
-
-    def __exit__(self, *exc: Any) -> None:
-        for (owner, name), tensor in zip(self.buffers, self.real):
+    real = [owner._buffers[name] for owner, name in buffers]
+    for (owner, name), tensor in zip(buffers, real):
+        owner._buffers[name] = tensor.detach().clone()
+    try:
+        yield
+    finally:
+        for (owner, name), tensor in zip(buffers, real):
             owner._buffers[name] = tensor
-        self.real = []
