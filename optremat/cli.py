@@ -116,7 +116,8 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     example = load(args.model)
     result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,
                   loss_fn=example.loss_fn, device=args.device,
-                  workers=args.workers, seed=args.seed, runtime=args.runtime, order=args.order,
+                  workers=args.workers, seed=args.seed, deterministic=args.deterministic, runtime=args.runtime,
+                  order=args.order,
                   progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None,
                   cache=args.cache)
     if args.save:

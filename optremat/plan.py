@@ -219,8 +219,8 @@ class Plan:
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
-         progress: Progress | None = None, cache: str | Path | None = None, runtime: str = "native",
-         order: str = "traced") -> Plan:
+         deterministic: bool = False, progress: Progress | None = None, cache: str | Path | None = None,
+         runtime: str = "native", order: str = "traced") -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
@@ -229,6 +229,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     given, is called as the exact solver improves: (seconds, overhead, proven lower bound
     on the overhead). `cache`, a directory, keeps plans across runs: a second call for the
     same model, shapes, budget and options loads the plan and runs no solver.
+    `deterministic=True` gives the exact solver `time_limit` of deterministic time
+    instead of seconds, so that the same call returns the same plan on any machine load.
 
     `runtime` picks what executes the plan, and so what is planned: "native" (module calls
     of the user's model under checkpoint with selective policies; `loss_fn` folds the loss
@@ -260,7 +262,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     if budget_bytes < floor:
         raise ValueError(f"budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} of parameters, "
                          f"inputs and gradients that every step holds; {ACCEPTED}, at least that")
-    options = dict(solver=solver, time_limit=time_limit, workers=workers, seed=seed, started=started,
+    options = dict(solver=solver, time_limit=time_limit, workers=workers, seed=seed, deterministic=deterministic,
+                   started=started,
                    progress=None if progress is None else _relative(progress, graph.total_cost))
 
     def solved() -> Plan:
@@ -277,7 +280,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     store = PlanCache(cache)
     key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
-                    seed=seed, cost_model=cost_model, device=str(device_name), training=model.training,
+                    seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name), training=model.training,
                     runtime=runtime, order=order, version=_version())
     with store.locked(key):
         hit = store.get(key, time_limit)
@@ -296,7 +299,8 @@ def _relative(progress: Progress, total: float) -> Progress:
 
 
 def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, budget_bytes: int, *, solver: str,
-                 order: str, loss: int, time_limit: float, workers: int, seed: int, progress: Progress | None,
+                 order: str, loss: int, time_limit: float, workers: int, seed: int, deterministic: bool,
+                 progress: Progress | None,
                  started: float) -> Plan:
     """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
     plan peaks over the budget on every op, solve again with the budget reduced by the excess.
@@ -312,11 +316,11 @@ def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, 
     coarse = coarsen(graph)
     target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):
-        remaining = max(deadline - time.perf_counter(), 1.0)
+        remaining = time_limit if deterministic else max(deadline - time.perf_counter(), 1.0)
         exhausted = False
         try:
             solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
-                             progress=progress)
+                             deterministic=deterministic, progress=progress)
         except (InfeasibleBudget, TimeoutError) as error:
             solution, least = ((None, error.smallest) if isinstance(error, InfeasibleBudget)
                                else best_heuristic(coarse.coarse, target))
@@ -374,7 +378,8 @@ def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph,
 
 
 def _solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit: float,
-                  workers: int, seed: int, progress: Progress | None, started: float) -> Plan:
+                  workers: int, seed: int, deterministic: bool, progress: Progress | None,
+                  started: float) -> Plan:
     """Solve on the coarsened graph, lower the keep set to module regions, and keep the
     cheapest region plan that fits; region plans built for the budget compete, and stand
     alone when the solver finds no plan."""
@@ -385,7 +390,7 @@ def _solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit
     solution, kept = None, None
     try:
         solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
-                         progress=progress)
+                         deterministic=deterministic, progress=progress)
         kept = np.zeros(graph.n, dtype=bool)
         kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
     except (InfeasibleBudget, TimeoutError):
