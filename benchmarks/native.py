@@ -1,28 +1,31 @@
 """Equal measured peak: optremat's native runtime against what users pick instead.
 
     python -m benchmarks.native [--models gpt-mini,resnet-mini,llama] [--rounds 9] [--limit 20]
+                                [--device cuda --backend inductor]
 
 For each model: the unplanned step, per-block checkpointing (HF's
 `gradient_checkpointing_enable()` for the Llama, non-reentrant `torch.utils.checkpoint`
 around every repeated block for the built-in models) and `torch.compile` with PyTorch's
-`activation_memory_budget` at 0.5 and 0.3 (backend aot_eager_decomp_partition, a fresh
-backend callable per budget) are measured; optremat is planned with each peer's measured
+`activation_memory_budget` at 0.5 and 0.3 (backend aot_eager_decomp_partition unless
+`--backend` names another, a fresh backend callable per budget) are measured; optremat is planned with each peer's measured
 peak as its budget ("= peer"), and at 50/70/90% of the unplanned simulated peak. Every
 configuration's step time is measured in the same process over `rounds` rounds after one
 uncounted warm-up round; in each round the configurations run in a shuffled order, each
 right after a step of its baseline, and the overhead is the median of the per-round ratios
 to that baseline, the unplanned step of the same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
 for PyTorch's budgets. The Llama (transformers' `LlamaConfig`, random weights,
-sdpa attention, dataclass output, no KV cache in training) computes its loss outside the
-model, from the logits, as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
+sdpa attention, dataclass output, no KV cache in training; on a GPU a larger
+configuration in bfloat16) computes its loss outside the model, from the logits, as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,6 @@ from optremat.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
 
-OUT = Path(__file__).with_name("native.md")
 HEADER = ["model", "method", "budget", "predicted peak", "measured peak", "measured / predicted",
           "predicted overhead", "measured overhead (median)", "plan s"]
 
@@ -52,16 +54,24 @@ class Case:
     per_block: Callable[[Callable[[], Any]], Any]
 
 
-def llama() -> Case:
+LLAMA = {"cpu": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, batch=4, seq=256),
+         "cuda": dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4, batch=8, seq=1024, dtype=torch.bfloat16)}
+"""The Llama's shape on each kind of device (on a GPU in bfloat16, as it is trained there)."""
+
+
+def llama(device: str) -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         attn_implementation="sdpa", tie_word_embeddings=True, use_cache=False)
-    model = LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 8192, (4, 256))
-    labels = torch.randint(0, 8192, (4 * 256,))
+    shape = dict(LLAMA["cuda" if device.startswith("cuda") else "cpu"])
+    batch, seq, dtype = shape.pop("batch"), shape.pop("seq"), shape.pop("dtype", torch.float32)
+    config = LlamaConfig(vocab_size=8192, max_position_embeddings=seq, attn_implementation="sdpa",
+                         tie_word_embeddings=True, use_cache=False, **shape)
+    model = LlamaForCausalLM(config).train().to(device, dtype)
+    ids = torch.randint(0, 8192, (batch, seq)).to(device)
+    labels = torch.randint(0, 8192, (batch * seq,)).to(device)
 
     def loss_fn(out: Any) -> torch.Tensor:
         return F.cross_entropy(out.logits.float().view(-1, 8192), labels)
@@ -76,8 +86,8 @@ def llama() -> Case:
     return Case(model, (ids,), loss_fn, per_block)
 
 
-def built_in(name: str) -> Case:
-    example = build(name)
+def built_in(name: str, device: str) -> Case:
+    example = build(name, device=device)
     blocks = repeated_blocks(example.model)
 
     def per_block(step: Callable[[], Any]) -> Any:
@@ -87,8 +97,8 @@ def built_in(name: str) -> Case:
     return Case(example.model, example.inputs, example.loss_fn, per_block)
 
 
-def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
-    case = llama() if name == "llama" else built_in(name)
+def rows(name: str, rounds: int, limit: float, device: str, backend: str) -> list[list[str]]:
+    case = llama(device) if name == "llama" else built_in(name, device)
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
     resident = [params, list(model.buffers()), inputs]
@@ -100,7 +110,7 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
 
     def measured(run: Callable[[], Any]) -> int:
         run()
-        return measure_peak(run, resident=resident).peak_bytes
+        return measure_peak(run, resident=resident, device=device).peak_bytes
 
     methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]] = {}
     unplanned = measured(step)
@@ -112,7 +122,7 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
     if name == "llama":
         budgets.append(("= per-block, no loss_fn", block_peak, False))
     for fraction in (1.0, 0.5, 0.3):
-        compiled = step_of(torch.compile(model, backend=torch_budget_backend(fraction)))
+        compiled = step_of(torch.compile(model, backend=torch_budget_backend(fraction, backend)))
         peak = measured(compiled)
         key = "compiled" if fraction == 1.0 else f"torch {fraction:g}"
         methods[key] = (compiled, {"method": f"torch.compile, activation_memory_budget {fraction:g}",
@@ -144,15 +154,18 @@ def rows(name: str, rounds: int, limit: float) -> list[list[str]]:
         order.shuffle(keys)
         for key in keys:
             baseline = methods["compiled" if key.startswith("torch") or key == "compiled" else "unplanned"][0]
-            ratios[key].append(_seconds(methods[key][0]) / _seconds(baseline))
+            ratios[key].append(_seconds(methods[key][0], device) / _seconds(baseline, device))
     for key, values in ratios.items():
         methods[key][1]["measured overhead (median)"] = f"{statistics.median(values) - 1:+.1%}"
     return [[name] + [fields.get(column, "-") for column in HEADER[1:]] for _, fields in methods.values()]
 
 
-def _seconds(run: Callable[[], Any]) -> float:
+def _seconds(run: Callable[[], Any], device: str) -> float:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     begin = time.perf_counter()
     run()
+    sync()
     return time.perf_counter() - begin
 
 
@@ -161,19 +174,28 @@ def main() -> None:
     parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--backend", default="aot_eager_decomp_partition",
+                        help="what torch.compile runs the peers' partitions with (e.g. inductor)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    if args.device == "cpu":
+        torch.set_num_threads(2)
+        machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, no GPU"
+        out = Path(__file__).with_name("native.md")
+    else:
+        machine = f"{torch.cuda.get_device_name(args.device)}, {os.cpu_count()} host cores"
+        out = Path(os.environ.get("OUT", Path(__file__).parent)) / f"native_{args.device.split(':')[0]}.md"
+    command = " ".join(["python -m benchmarks.native"] + sys.argv[1:])
     lines = ["# Native runtime at equal measured peak", "",
-             f"Machine: {machine}, no GPU. Command: `python -m benchmarks.native --models {args.models} "
-             f"--rounds {args.rounds} --limit {args.limit:g}`.", "", __doc__.split("\n\n", 1)[1].strip(), "",
+             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
+             __doc__.split("\n\n", 2)[2].strip(), "",
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for name in args.models.split(","):
-        for cells in rows(name, args.rounds, args.limit):
+        for cells in rows(name, args.rounds, args.limit, args.device, args.backend):
             lines.append("| " + " | ".join(cells) + " |")
             print(" | ".join(cells), flush=True)
-    OUT.write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT}")
+        out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

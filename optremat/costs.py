@@ -8,6 +8,7 @@ step on real tensors and measures each op.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ DEVICES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", flops_per_second=1.0e11, bytes_per_second=1.0e10, launch_seconds=5e-6),
     "a100": DeviceProfile("a100", flops_per_second=1.56e14, bytes_per_second=1.6e12, launch_seconds=5e-6),
     "h100": DeviceProfile("h100", flops_per_second=4.9e14, bytes_per_second=3.0e12, launch_seconds=4e-6),
+    "h200": DeviceProfile("h200", flops_per_second=4.9e14, bytes_per_second=4.3e12, launch_seconds=4e-6),
 }
 
 _SAME_FLOPS_AS = {
@@ -50,6 +52,20 @@ def device_profile(name: str | DeviceProfile) -> DeviceProfile:
     if name not in DEVICES:
         raise ValueError(f"unknown device profile {name!r}; choose one of {', '.join(DEVICES)} or pass a DeviceProfile")
     return DEVICES[name]
+
+
+def profile_for(device: torch.device) -> str:
+    """The profile that prices ops on `device`: the CPU's, or the GPU's whose name the
+    device's name contains (the H100's, with a warning, for a GPU with no profile)."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    known = [profile for profile in DEVICES if profile != "cpu" and profile in name]
+    if known:
+        return known[0]
+    warnings.warn(f"no cost profile for {name!r}: ops are priced as on an H100; pass device= a DeviceProfile "
+                  "or cost_model='profile' to price them on this GPU", stacklevel=3)
+    return "h100"
 
 
 def tensor_bytes(value: Any) -> int:

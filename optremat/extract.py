@@ -420,13 +420,17 @@ def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_name
         size = sum(fresh.values())
         if node.target is operator.getitem and alias_of >= 0 and cols["alias_of"][alias_of] < 0:
             size = sum(storages.values())
+            if size == 0:
+                # an empty output (cuDNN batch norm's reserve, say) keeps none of its op's other outputs alive
+                alias_of = -1
         target = node.target
         op_name = getattr(target, "__name__", str(target)) if node.op == "call_function" else node.op
         if hasattr(target, "_schema"):
             op_name = str(target).removeprefix("aten.")
         cols["names"].append(node.name)
         cols["ops"].append(op_name)
-        cols["cost"].append(0.0 if alias_of >= 0 or kind != "op" else costs.get(node.name, 0.0))
+        cols["cost"].append(0.0 if alias_of >= 0 or kind != "op" or node.target is operator.getitem
+                            else costs.get(node.name, 0.0))
         cols["size"].append(int(size))
         cols["backward"].append(custom.get(f"{_MARK}_phase") == "backward")
         cols["kind"].append(kind)

@@ -29,6 +29,29 @@ class Example:
     inputs: tuple[torch.Tensor, ...]
     loss_fn: Callable[[torch.Tensor], torch.Tensor]
 
+    def to(self, device: str | torch.device) -> "Example":
+        """The same example with its model, inputs and targets on `device`."""
+        moved = getattr(self.loss_fn, "to", None)
+        return Example(self.model.to(device), tuple(x.to(device) for x in self.inputs),
+                       self.loss_fn if moved is None else moved(device))
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """Cross-entropy of a model's output against fixed targets; with `flatten`, the first
+    two dimensions of output and target (batch, sequence) are merged first."""
+
+    target: torch.Tensor
+    flatten: bool = False
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        if self.flatten:
+            return F.cross_entropy(out.flatten(0, 1), self.target.flatten())
+        return F.cross_entropy(out, self.target)
+
+    def to(self, device: str | torch.device) -> "CrossEntropy":
+        return CrossEntropy(self.target.to(device), self.flatten)
+
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
@@ -181,13 +204,13 @@ class UnrolledLSTM(nn.Module):
 
 def _classification(model: nn.Module, x: torch.Tensor, classes: int) -> Example:
     target = torch.randint(0, classes, (x.shape[0],), generator=torch.Generator().manual_seed(1))
-    return Example(model, (x,), lambda out: F.cross_entropy(out, target))
+    return Example(model, (x,), CrossEntropy(target))
 
 
 def _classification_map(model: nn.Module, x: torch.Tensor, classes: int) -> Example:
     """Per-pixel classification (segmentation) for the U-Net."""
     target = torch.randint(0, classes, (x.shape[0], x.shape[2], x.shape[3]), generator=torch.Generator().manual_seed(1))
-    return Example(model, (x,), lambda out: F.cross_entropy(out, target))
+    return Example(model, (x,), CrossEntropy(target))
 
 
 def _gpt(vocab: int, seq: int, dim: int, layers: int, heads: int, batch: int) -> Example:
@@ -195,7 +218,7 @@ def _gpt(vocab: int, seq: int, dim: int, layers: int, heads: int, batch: int) ->
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vocab, (batch, seq), generator=gen)
     target = torch.randint(0, vocab, (batch, seq), generator=gen)
-    return Example(model, (idx,), lambda logits: F.cross_entropy(logits.flatten(0, 1), target.flatten()))
+    return Example(model, (idx,), CrossEntropy(target, flatten=True))
 
 
 def _image(batch: int, side: int) -> torch.Tensor:
@@ -223,13 +246,15 @@ BATCH = {"gpt-tiny": 2, "gpt-mini": 4, "gpt-small": 4, "resnet-tiny": 8, "resnet
 """Each built-in model's default batch size."""
 
 
-def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int | None = None) -> Example:
-    """Build a built-in model by name (see `BUILDERS`), with deterministic weights and data,
-    at its default batch size or `batch`."""
+def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int | None = None,
+          device: str | torch.device = "cpu") -> Example:
+    """Build a built-in model by name (see `BUILDERS`), with deterministic weights and data
+    (drawn on the CPU, so the same on every device), at its default batch size or `batch`,
+    on `device`."""
     if name not in BUILDERS:
         raise KeyError(f"unknown built-in model {name!r}; choose one of {', '.join(sorted(BUILDERS))}")
     torch.manual_seed(seed)
-    example = BUILDERS[name](BATCH[name] if batch is None else batch)
+    example = BUILDERS[name](BATCH[name] if batch is None else batch).to(device)
     if dtype != torch.float32:
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in example.inputs)
         return Example(example.model.to(dtype), inputs, example.loss_fn)

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from optremat.budget import ACCEPTED, InfeasibleBudget, resolve_budget
 from optremat.coarsen import coarsen
-from optremat.costs import device_profile
+from optremat.costs import device_profile, profile_for
 from optremat.extract import Traced, assumed_loss, loss_bytes, trace
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
@@ -462,4 +462,4 @@ def _version() -> str:
 
 def _model_device(model: nn.Module) -> str:
     first = next(iter(model.parameters()), None)
-    return "cpu" if first is None or first.device.type == "cpu" else "h100"
+    return "cpu" if first is None else profile_for(first.device)

@@ -223,7 +223,7 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     dispatched = 0
     for call in structure:
         members = rmap.members[call]
-        plan = _region(rmap, members, kept)
+        plan = _region(rmap, call, kept)
         if plan is None:
             continue
         t, last, saved_ops, recomputed = plan
@@ -245,15 +245,16 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     return Lowering(tuple(regions), _schedule(graph, recompute, held), dispatched * rmap.dispatch_seconds)
 
 
-def _region(rmap: RegionMap, members: np.ndarray, kept: np.ndarray) -> tuple[int, int, list[int], list[int]] | None:
+def _region(rmap: RegionMap, call: Call, kept: np.ndarray) -> tuple[int, int, list[int], list[int]] | None:
     """(recompute stage, last op whose autograd node saves a tensor, ops saved, nodes
     recomputed) of one region, or None when the
     region runs plainly: nothing it would recompute is read by the backward, its rerun
     would write over a tensor from outside it, its autograd nodes save nothing, or an
     output the backward reads after the region cannot be saved (the rerun would make a
-    second copy of a tensor that is still live)."""
-    graph, facts = rmap.graph, rmap.facts
-    nodes = members.tolist()
+    second copy of a tensor that is still live). Only ops a selective policy sees (those
+    with a key) can be saved."""
+    graph, facts, keys = rmap.graph, rmap.facts, rmap.keys(call)
+    nodes = rmap.members[call].tolist()
     inside = set(nodes)
     packers = [v for v in nodes if facts.unpacks[v]]
     if not packers:
@@ -269,7 +270,7 @@ def _region(rmap: RegionMap, members: np.ndarray, kept: np.ndarray) -> tuple[int
             break
         wanted = kept[v] or (facts.backward_reads[v] and facts.last_forward_read[v] > end)
         o = int(facts.owner[v])
-        if wanted and o in inside and o <= last and not rmap.random[o] and not facts.overwritten[o]:
+        if wanted and o in keys and o <= last and not rmap.random[o] and not facts.overwritten[o]:
             saved_ops.add(o)
     recomputed = [v for v in nodes if v <= last and int(facts.owner[v]) in inside
                   and int(facts.owner[v]) not in saved_ops]

@@ -86,6 +86,55 @@ def test_multi_output_ops_are_parts():
     assert sum(g.size[parts]) == g.size[ln]
 
 
+@torch.library.custom_op("optremat_tests::double_with_reserve", mutates_args=())
+def double_with_reserve(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like cuDNN's batch norm: a result and an empty reserve that the backward reads."""
+    return x * 2, x.new_empty(0)
+
+
+@double_with_reserve.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), x.new_empty(0)
+
+
+def _save_reserve(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _double_backward(ctx, grad: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    (reserve,) = ctx.saved_tensors
+    return grad * 2 + reserve.sum()
+
+
+double_with_reserve.register_autograd(_double_backward, setup_context=_save_reserve)
+
+
+class Reserve(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        doubled, _ = double_with_reserve(x * self.scale)
+        return (doubled * 3).sum()
+
+
+def test_an_empty_output_read_by_the_backward_keeps_no_other_output_alive():
+    """The empty reserve the backward reads holds no storage, so the result can die
+    after the forward's next op (cuDNN batch norm's reserve kept every batch norm's
+    output alive through the backward on GPUs)."""
+    model, x = Reserve(), torch.randn(1 << 10)
+    g = extract(model, (x,), lambda y: y)
+    doubled = g.ops.index("optremat_tests.double_with_reserve.default")
+    parts = [i for i in range(g.n) if g.ops[i] == "getitem" and doubled in g.preds[i].tolist()]
+    reserve = next(i for i in parts if g.size[i] == 0)
+    assert any(g.backward[s] for s in g.succs[reserve].tolist()) or any(
+        g.backward[t] for s in g.succs[reserve].tolist() for t in g.succs[s].tolist())
+    assert sum(int(g.unit_size[u]) for u in g.units[reserve]) == 0
+    result = next(i for i in parts if i != reserve)
+    assert int(g.unit_size[g.units[result]].sum()) == x.nbytes
+
+
 class ChecksValues(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -89,10 +89,18 @@ def resnet_tiny() -> tuple[nn.Module, tuple, callable]:
 MODELS["resnet-tiny"] = resnet_tiny
 
 
+def on(device: str, made: tuple[nn.Module, tuple, callable]) -> tuple[nn.Module, tuple, callable]:
+    """A test model, its inputs and its loss, on `device` (the cuDNN kernels made deterministic)."""
+    if device == "cuda":
+        torch.backends.cudnn.deterministic = True
+    model, inputs, loss_fn = made
+    return model.to(device), tuple(x.to(device) for x in inputs), getattr(loss_fn, "to", lambda _: loss_fn)(device)
+
+
 @pytest.mark.parametrize("name,budget", [("deep-mlp", 0.6), ("convnet", 0.7), ("gpt-dropout", 0.8),
                                          ("resnet-tiny", 0.8)])
-def test_planned_step_equals_unplanned_step(name: str, budget: float) -> None:
-    model, inputs, loss_fn = MODELS[name]()
+def test_planned_step_equals_unplanned_step(name: str, budget: float, device: str) -> None:
+    model, inputs, loss_fn = on(device, MODELS[name]())
     state = copy.deepcopy(model.state_dict())
     want = train_step(model, model, inputs, loss_fn, state)
     plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=5)
@@ -104,8 +112,8 @@ def test_planned_step_equals_unplanned_step(name: str, budget: float) -> None:
     assert_same_step(train_step(model, model, inputs, loss_fn, state), want)
 
 
-def test_dropout_masks_survive_recomputation() -> None:
-    model, inputs, loss_fn = convnet()
+def test_dropout_masks_survive_recomputation(device: str) -> None:
+    model, inputs, loss_fn = on(device, convnet())
     state = copy.deepcopy(model.state_dict())
     plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
     recomputed = [plan.graph.ops[i] for i, s, _ in plan.schedule.events if s != i]
@@ -248,8 +256,8 @@ def test_infeasible_budget_names_the_smallest() -> None:
     assert error.value.smallest > error.value.budget
 
 
-def test_measured_peak_follows_the_plan() -> None:
-    model, inputs, loss_fn = deep_mlp()
+def test_measured_peak_follows_the_plan(device: str) -> None:
+    model, inputs, loss_fn = on(device, deep_mlp())
     model, inputs = model.float(), tuple(x.float() for x in inputs)
     plan = optremat.plan(model, inputs, 0.6, loss_fn=loss_fn, time_limit=5)
     trained = optremat.apply(model, plan)
@@ -259,7 +267,7 @@ def test_measured_peak_follows_the_plan() -> None:
         return torch.autograd.grad(loss_fn(trained(*inputs)), params)
 
     step()
-    measured = measure_peak(step, resident=[params, inputs]).peak_bytes
+    measured = measure_peak(step, resident=[params, inputs], device=device).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes
     assert measured <= plan.budget_bytes * 1.10
 
@@ -275,8 +283,8 @@ def test_planned_step_is_bitwise_equal_in_float64() -> None:
 @pytest.mark.parametrize("name,budget,order", [("convnet", 0.6, "traced"), ("gpt-dropout", 0.7, "traced"),
                                                ("resnet-tiny", 0.6, "traced"), ("gpt-dropout", 0.7, "best"),
                                                ("resnet-tiny", 0.6, "best")])
-def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float, order: str) -> None:
-    model, inputs, loss_fn = MODELS[name]()
+def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float, order: str, device: str) -> None:
+    model, inputs, loss_fn = on(device, MODELS[name]())
     state = copy.deepcopy(model.state_dict())
     plan = optremat.plan(model, inputs, budget, time_limit=10, runtime="exact", order=order)
     assert plan.runtime == "exact" and plan.predicted_peak_bytes <= plan.budget_bytes

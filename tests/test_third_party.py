@@ -35,8 +35,10 @@ def grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> li
 
 
 @pytest.mark.parametrize("layers,seq", [(2, 64), pytest.param(4, 256, marks=pytest.mark.slow)])
-def test_llama_without_loss_fn_runs_at_its_predicted_peak_with_the_same_gradients(layers: int, seq: int) -> None:
+def test_llama_without_loss_fn_runs_at_its_predicted_peak_with_the_same_gradients(layers: int, seq: int,
+                                                                                  device: str) -> None:
     model, ids, labels = llama(layers, seq)
+    model, ids, labels = model.to(device), ids.to(device), labels.to(device)
     want = grads(model, ids, labels)
     plan = optremat.plan(model, (ids,), 0.9, time_limit=5)
     assert plan.regions and "not given" in plan.summary()
@@ -44,7 +46,8 @@ def test_llama_without_loss_fn_runs_at_its_predicted_peak_with_the_same_gradient
     for got, expected in zip(grads(model, ids, labels), want):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     params = list(model.parameters())
-    measured = measure_peak(lambda: grads(model, ids, labels), resident=[params, list(model.buffers()), ids]).peak_bytes
+    measured = measure_peak(lambda: grads(model, ids, labels), resident=[params, list(model.buffers()), ids],
+                            device=device).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
     assert measured <= 1.02 * plan.budget_bytes
     twin = copy.deepcopy(model)
