@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from optremat import Graph, InfeasibleBudget, extract, keep_all, resolve_budget, simulate, solve
+from optremat import published
 from optremat.coarsen import coarsen
 from optremat.heuristics import NotAChain
 from optremat.ilp.cpsat import solve_cpsat
@@ -85,7 +86,7 @@ def published_section(folder: Path, limit: float) -> str:
               + [f"{solver} {seconds:g} s (bound)" for solver, seconds in columns])
     rows = []
     for path in sorted(folder.glob("*.json")):
-        graph = Graph.load(path)
+        graph = published.load(path)
         for m in (0.9, 0.8):
             budget = resolve_budget(graph, m)
             row = [path.stem, str(graph.n), f"{m}"]

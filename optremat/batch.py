@@ -58,11 +58,12 @@ def graph_at(small: Graph, large: Graph, b_small: int, b_large: int) -> Callable
 
 
 def max_batch(graph_for: Callable[[int], Graph], memory: int, *, max_overhead: float = 0.25,
-              time_limit: float = 10.0, limit: int = 1 << 20,
+              time_limit: float = 10.0, deterministic: bool = False, limit: int = 1 << 20,
               progress: Callable[[str, int, bool], None] | None = None) -> BatchSearch:
     """Search the largest batch whose unplanned step fits `memory`, and the largest whose
     planned step fits with at most `max_overhead` extra compute (solver "auto" with
-    `time_limit` per try; the planned step's peak is checked on every op)."""
+    `time_limit` per try, in deterministic time with `deterministic`, so that the answer
+    does not depend on machine load; the planned step's peak is checked on every op)."""
 
     def unplanned(batch: int) -> tuple[bool, float]:
         graph = graph_for(batch)
@@ -74,7 +75,7 @@ def max_batch(graph_for: Callable[[int], Graph], memory: int, *, max_overhead: f
             return True, 0.0
         coarse = coarsen(graph)
         try:
-            solution = solve(coarse.coarse, memory, "auto", time_limit=time_limit)
+            solution = solve(coarse.coarse, memory, "auto", time_limit=time_limit, deterministic=deterministic)
         except (InfeasibleBudget, TimeoutError):
             return False, 0.0
         result = simulate(coarse.fine, coarse.expand(solution.schedule))

@@ -19,10 +19,11 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
-from optremat.plan import Plan
 from optremat.solution import OPTIMAL
+
+T = TypeVar("T")
 
 CACHE_FORMAT = 1
 
@@ -42,7 +43,9 @@ class Entry:
 
 
 class PlanCache:
-    """Plans stored under `directory`, one JSON file per key."""
+    """Plans stored under `directory`, one JSON file per key. A plan is stored as the JSON
+    it serializes to (with `solver`, `status`, `budget_bytes` and `predicted_overhead`
+    fields) and read back through the loader the caller passes."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -67,8 +70,9 @@ class PlanCache:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def get(self, key: str, time_limit: float) -> Plan | None:
-        """The cached plan for `key` if present, intact and good enough for `time_limit`."""
+    def get(self, key: str, time_limit: float, load: Callable[[dict[str, Any]], T]) -> T | None:
+        """The cached plan for `key`, read by `load` from its JSON, if present, intact and
+        good enough for `time_limit`."""
         path = self._path(key)
         if not path.exists():
             return None
@@ -77,17 +81,16 @@ class PlanCache:
             text = json.dumps(entry["plan"], sort_keys=True)
             if entry.get("format") != CACHE_FORMAT or hashlib.sha256(text.encode()).hexdigest() != entry["checksum"]:
                 raise ValueError("checksum mismatch")
-            plan = Plan.from_json(entry["plan"])
+            plan = load(entry["plan"])
         except (OSError, ValueError, KeyError, TypeError) as error:
             warnings.warn(f"optremat: plan cache entry {path} is corrupted ({error}); planning again", stacklevel=3)
             return None
-        if plan.status != OPTIMAL and time_limit > entry["time_limit"]:
+        if entry["plan"]["status"] != OPTIMAL and time_limit > entry["time_limit"]:
             return None
         return plan
 
-    def put(self, key: str, plan: Plan, time_limit: float) -> None:
-        """Store `plan` atomically: readers see the old entry or the new one, never half of one."""
-        body = plan.to_json()
+    def put(self, key: str, body: dict[str, Any], time_limit: float) -> None:
+        """Store a plan's JSON atomically: readers see the old entry or the new one, never half of one."""
         text = json.dumps(body, sort_keys=True)
         entry = {"format": CACHE_FORMAT, "checksum": hashlib.sha256(text.encode()).hexdigest(),
                  "time_limit": time_limit, "plan": body}

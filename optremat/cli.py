@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from optremat.budget import InfeasibleBudget
 from optremat.coarsen import coarsen
+from optremat import published
 from optremat.graph import Graph, GraphError, format_bytes
 from optremat.schedule import keep_all, simulate
 from optremat.solve import SOLVERS
@@ -28,7 +29,7 @@ EXIT_INFEASIBLE = 3
 
 def _load(args: argparse.Namespace) -> tuple[Graph, str]:
     if args.graph:
-        return Graph.load(args.graph), args.graph
+        return published.load(args.graph), args.graph
     from optremat.extract import extract
     from optremat.models import load
 
@@ -76,7 +77,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     from optremat.budget import resolve_budget
     from optremat.solve import solve
 
-    graph = Graph.load(args.graph)
+    graph = published.load(args.graph)
     budget = resolve_budget(graph, _budget(args.budget))
     solution = solve(graph, budget, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                      seed=args.seed, deterministic=args.deterministic, share=args.share,
@@ -174,7 +175,8 @@ def _max_batch_command(args: argparse.Namespace) -> int:
         print(f"  {label:9s} batch {batch:6d}: {'fits' if fits else 'does not fit'}", file=sys.stderr, flush=True)
 
     result = max_batch(graph_at(graphs[0], graphs[1], 1, 2), memory, max_overhead=args.max_overhead,
-                       time_limit=args.time_limit, progress=progress if args.progress else None)
+                       time_limit=args.time_limit, deterministic=args.deterministic,
+                       progress=progress if args.progress else None)
     report = {"model": args.model, "memory_bytes": memory, "max_overhead": args.max_overhead,
               "unplanned_batch": result.unplanned, "planned_batch": result.planned,
               "planned_overhead": result.planned_overhead, "ratio": result.ratio}
@@ -357,6 +359,7 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--memory", required=True, help="bytes or a size such as 16GiB")
     batch.add_argument("--max-overhead", type=float, default=0.25, help="extra compute allowed for a planned batch")
     batch.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per batch size tried")
+    batch.add_argument("--deterministic", action="store_true", help="reproducible solver runs (deterministic time)")
     batch.add_argument("--device", default="cpu", help="device profile for roofline costs (cpu, a100, h100)")
     batch.add_argument("--progress", action="store_true", help="print each batch size tried to stderr")
     batch.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -332,6 +332,23 @@ def _call_stack(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:
 _BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
 
 
+def after_output_gradient(graph: Graph, traced: Traced, num_leaves: int) -> np.ndarray:
+    """The op nodes that depend on the model output's gradient (the step's inputs after its
+    `num_leaves` parameters, buffers and inputs): they run only after the loss."""
+    names = {n.name for n in [n for n in traced.module.graph.nodes if n.op == "placeholder"][num_leaves:]}
+    return depending_on(graph, [i for i, name in enumerate(graph.names) if name in names])
+
+
+def depending_on(graph: Graph, sources: list[int]) -> np.ndarray:
+    """The op nodes that read, directly or not, one of `sources`."""
+    depends = np.zeros(graph.n, dtype=bool)
+    depends[sources] = True
+    for v in range(graph.n):
+        if not depends[v] and depends[graph.preds[v]].any():
+            depends[v] = True
+    return depends & ~graph.pinned
+
+
 def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The fx nodes whose tensors `node` writes in place."""
     schema = getattr(node.target, "_schema", None)

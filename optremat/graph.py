@@ -298,7 +298,7 @@ class Graph:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Graph":
         if data.get("format") != "optremat.graph":
-            raise GraphError("not an optremat graph (missing format tag)")
+            raise GraphError("not an optremat graph (missing format tag); optremat.published.load reads published node-link graphs")
         if data.get("version") != FORMAT_VERSION:
             raise GraphError(f"graph format version {data.get('version')} is not supported (this optremat reads {FORMAT_VERSION})")
         columns = {k: v for k, v in data.items() if k not in ("format", "version")}
@@ -309,13 +309,9 @@ class Graph:
 
     @classmethod
     def load(cls, path: str | Path) -> "Graph":
-        """Load an optremat graph file or a published benchmark graph (node-link JSON)."""
-        from optremat.published import from_node_link
-
-        data = json.loads(Path(path).read_text())
-        if data.get("format") == "optremat.graph":
-            return cls.from_json(data)
-        return from_node_link(data)
+        """Load an optremat graph file (`optremat.published.load` also reads the published
+        node-link graphs)."""
+        return cls.from_json(json.loads(Path(path).read_text()))
 
 
 def format_bytes(n: float) -> str:

@@ -23,16 +23,16 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.budget import ACCEPTED, InfeasibleBudget, resolve_budget
+from optremat.cache import PlanCache
 from optremat.coarsen import coarsen
 from optremat.costs import device_profile, profile_for
-from optremat.extract import Traced, assumed_loss, loss_bytes, trace
+from optremat.extract import Traced, after_output_gradient, assumed_loss, loss_bytes, trace
+from optremat.fingerprint import model_fingerprint
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
 from optremat.ilp.layout import ALIGNMENT, layout
 from optremat.order import best_order
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
-from optremat.runtime.exact import after_output_gradient
-from optremat.runtime.native import model_fingerprint
 from optremat.schedule import Schedule, keep_all, simulate
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
 from optremat.solve import SOLVERS, best_heuristic, solve
@@ -54,7 +54,8 @@ class Plan:
     plan optimal and running it as regions lost nothing; `lower_bound` is the solver's
     proven lower bound on the overhead, in the planning model (the coarsened graph, each
     op computed at most a few times), or None when nothing is proven. `loss` says how the
-    loss computed after the model was priced.
+    loss computed after the model was priced. An exact plan made in this process carries
+    the step it was traced from (`traced`), which its runtime then runs without tracing again.
     """
 
     graph: Graph
@@ -76,7 +77,7 @@ class Plan:
     mutated_buffers: tuple[str, ...] = ()
     loss: str = ""
     cached: bool = field(default=False, compare=False)
-    executable: Any = field(default=None, repr=False, compare=False)
+    traced: Traced | None = field(default=None, repr=False, compare=False)
 
     @property
     def fingerprint(self) -> str:
@@ -276,20 +277,16 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     if cache is None:
         return solved()
-    from optremat.cache import PlanCache
-
     store = PlanCache(cache)
     key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
                     seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name), training=model.training,
                     runtime=runtime, order=order, version=_version())
     with store.locked(key):
-        hit = store.get(key, time_limit)
+        hit = store.get(key, time_limit, Plan.from_json)
         if hit is not None:
-            executable = (exact_program(model, traced, inputs, hit.graph, hit.schedule, dict(hit.shared))
-                          if runtime == "exact" else None)
-            return replace(hit, executable=executable, cached=True)
+            return replace(hit, traced=traced if runtime == "exact" else None, cached=True)
         result = solved()
-        store.put(key, result, time_limit)
+        store.put(key, result.to_json(), time_limit)
         return result
 
 
@@ -341,8 +338,7 @@ def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, 
                         predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
                         lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
                         solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
-                        runtime="exact", shared=tuple(sorted(result.shared.items())),
-                        executable=exact_program(model, traced, inputs, coarse.fine, fine, result.shared))
+                        runtime="exact", shared=tuple(sorted(result.shared.items())), traced=traced)
         if exhausted:
             break
         target -= result.peak_bytes - budget_bytes
@@ -365,16 +361,6 @@ def _with_loss(graph: Graph, traced: Traced, leaves: int, loss: int) -> Graph:
     workspace[int(np.argmax(after_output_gradient(graph, traced, leaves)))] += loss
     workspace.flags.writeable = False
     return replace(graph, workspace=workspace)
-
-
-def exact_program(model: nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule,
-                  shared: dict[int, int] | None = None) -> Any:
-    """The exact runtime's executable for `schedule` on `graph` (the traced step, reordered),
-    with the computations in `shared` writing over the inputs it names."""
-    from optremat.runtime.exact import ExactProgram
-
-    return ExactProgram(traced, graph, schedule, len(dict(model.named_parameters())),
-                        len(dict(model.named_buffers())), len(tree_leaves(inputs)), shared)
 
 
 def _solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit: float,

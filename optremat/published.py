@@ -8,9 +8,19 @@ whose node numbering is that topological order, so a schedule's stage t runs nod
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from optremat.graph import Graph, GraphError
+
+
+def load(path: str | Path) -> Graph:
+    """Load an optremat graph file or a published benchmark graph (node-link JSON)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") == "optremat.graph":
+        return Graph.from_json(data)
+    return from_node_link(data)
 
 
 def from_node_link(data: dict[str, Any]) -> Graph:

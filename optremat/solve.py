@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -27,10 +27,27 @@ HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
     "dp": chain_dp,
 }
 EXACT = ("cpsat", "ilp", "lp-rounding")
-SOLVERS = ("auto",) + EXACT + tuple(HEURISTICS)
 MAX_COPIES = 4
 """Most computations per node `auto` lets CP-SAT consider so that a heuristic hint fits its model."""
 
+
+@dataclass(frozen=True)
+class Options:
+    """What a planner may be told beyond the graph and the budget (each uses what applies)."""
+
+    time_limit: float = 30.0
+    hint: Schedule | None = None
+    copies: int = 2
+    workers: int = 0
+    seed: int = 0
+    deterministic: bool = False
+    progress: Progress | None = None
+    share: bool = False
+
+
+Planner = Callable[[Graph, int, Options], Solution]
+"""The one planner contract: a graph and a budget in bytes (above what keeping everything
+needs) to a Solution within it, or InfeasibleBudget."""
 
 def heuristic(graph: Graph, budget: int, name: str) -> Solution:
     """Run one heuristic and wrap its schedule as a Solution."""
@@ -77,51 +94,61 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
     has a simulated peak within budget; an impossible budget raises InfeasibleBudget
     naming the smallest feasible one.
     """
-    if solver not in SOLVERS:
+    if solver not in PLANNERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    found = _solve(graph, budget, solver, time_limit, hint=hint, copies=copies, workers=workers, seed=seed,
-                   deterministic=deterministic, progress=progress, share=share)
+    found = _solve(graph, budget, solver, Options(time_limit, hint, copies, workers, seed, deterministic, progress,
+                                                  share))
     return with_shares(graph, found) if share else found
 
 
-def _solve(graph: Graph, budget: int | float | str, solver: str, time_limit: float, *, hint: Schedule | None,
-           copies: int, workers: int, seed: int, deterministic: bool, progress: Progress | None,
-           share: bool) -> Solution:
+def _solve(graph: Graph, budget: int | float | str, solver: str, options: Options) -> Solution:
     budget_bytes = resolve_budget(graph, budget)
     if budget_bytes < graph.pinned_bytes:
         raise InfeasibleBudget(budget_bytes, graph.pinned_bytes, solver, proven=True)
     unplanned = keep_all(graph)
-    if simulate(graph, unplanned, share=share).peak_bytes <= budget_bytes:
+    if simulate(graph, unplanned, share=options.share).peak_bytes <= budget_bytes:
         return Solution(schedule=unplanned, solver=solver, status=OPTIMAL, cost=graph.total_cost,
                         lower_bound=graph.total_cost, seconds=0.0)
-    if solver in HEURISTICS:
-        return heuristic(graph, budget_bytes, solver)
-    if solver == "ilp":
-        return solve_milp(graph, budget_bytes, time_limit=time_limit, hint=hint, workers=workers, share=share)
-    if solver == "lp-rounding":
-        return solve_lp_rounding(graph, budget_bytes)
+    return PLANNERS[solver](graph, budget_bytes, options)
+
+
+def _milp(graph: Graph, budget: int, options: Options) -> Solution:
+    return solve_milp(graph, budget, time_limit=options.time_limit, hint=options.hint, workers=options.workers,
+                      share=options.share)
+
+
+def _cpsat(graph: Graph, budget: int, options: Options) -> Solution:
+    found = solve_cpsat(graph, budget, time_limit=options.time_limit, hint=options.hint, copies=options.copies,
+                        workers=options.workers, seed=options.seed, deterministic=options.deterministic,
+                        progress=options.progress, share=options.share)
+    return replace(found, solver="cpsat")
+
+
+def _auto(graph: Graph, budget_bytes: int, options: Options) -> Solution:
+    """CP-SAT hinted with the best heuristic plan, never worse than that plan."""
     started = time.perf_counter()
-    seed_plan, heuristic_smallest = best_heuristic(graph, budget_bytes) if solver == "auto" else (None, None)
+    seed_plan, heuristic_smallest = best_heuristic(graph, budget_bytes)
+    hint, copies = options.hint, options.copies
     if seed_plan is not None and hint is None:
         hint = seed_plan.schedule
         copies = max(copies, min(int(np.bincount(hint.node).max()), MAX_COPIES))
-    remaining = max(time_limit - (time.perf_counter() - started), 0.0)
+    remaining = max(options.time_limit - (time.perf_counter() - started), 0.0)
+
     def fallback(bound: float | None = None) -> Solution:
         """The seed plan, with `bound` if it holds for it, else the bound every plan obeys."""
-        if bound is None and not share:
-            bound = graph.total_cost + solver_floor(graph, budget_bytes, time_limit, share=False)
+        if bound is None and not options.share:
+            bound = graph.total_cost + solver_floor(graph, budget_bytes, options.time_limit, share=False)
         optimal = bound is not None and seed_plan.cost <= bound + 1e-9 * graph.total_cost
         return replace(seed_plan, seconds=time.perf_counter() - started, lower_bound=bound,
                        status=OPTIMAL if optimal else HEURISTIC if bound is None else FEASIBLE)
 
     try:
-        exact = solve_cpsat(graph, budget_bytes, time_limit=remaining, hint=hint, copies=copies, workers=workers,
-                            seed=seed, deterministic=deterministic, progress=progress, share=share)
+        exact = _cpsat(graph, budget_bytes, replace(options, time_limit=remaining, hint=hint, copies=copies))
     except InfeasibleBudget as error:
         if seed_plan is not None:
             return fallback()
         if heuristic_smallest is not None and heuristic_smallest < error.smallest:
-            raise InfeasibleBudget(budget_bytes, heuristic_smallest, solver) from None
+            raise InfeasibleBudget(budget_bytes, heuristic_smallest, "auto") from None
         raise
     except TimeoutError:
         if seed_plan is None:
@@ -129,4 +156,15 @@ def _solve(graph: Graph, budget: int | float | str, solver: str, time_limit: flo
         return fallback()
     if seed_plan is not None and seed_plan.cost < exact.cost:
         return fallback(exact.lower_bound if np.bincount(seed_plan.schedule.node).max() <= copies else None)
-    return replace(exact, solver="auto" if solver == "auto" else "cpsat", seconds=time.perf_counter() - started)
+    return replace(exact, solver="auto", seconds=time.perf_counter() - started)
+
+
+PLANNERS: dict[str, Planner] = {
+    "auto": _auto,
+    "cpsat": _cpsat,
+    "ilp": _milp,
+    "lp-rounding": lambda graph, budget, options: solve_lp_rounding(graph, budget),
+    **{name: (lambda graph, budget, options, name=name: heuristic(graph, budget, name)) for name in HEURISTICS},
+}
+"""Every planner `solve` offers, by name: the exact ones, `auto`, and the heuristics."""
+SOLVERS = tuple(PLANNERS)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from optremat import extract, keep_all, simulate
+from tests import console
+from tests.console import Ran
 from optremat.batch import graph_at, max_batch
 from optremat.models import build
 
@@ -32,7 +32,7 @@ def test_graph_at_a_batch_matches_tracing_at_that_batch(name: str) -> None:
 def test_max_batch_finds_the_boundary_and_planning_fits_more() -> None:
     at = graph_at(traced("gpt-tiny", 1), traced("gpt-tiny", 2), 1, 2)
     memory = 4 * 2**20
-    result = max_batch(at, memory, max_overhead=0.25, time_limit=5)
+    result = max_batch(at, memory, max_overhead=0.25, time_limit=0.1, deterministic=True)
     peak = lambda b: simulate(at(b), keep_all(at(b))).peak_bytes  # noqa: E731
     assert peak(result.unplanned) <= memory < peak(result.unplanned + 1)
     assert result.planned > result.unplanned and result.planned_overhead <= 0.25
@@ -40,11 +40,10 @@ def test_max_batch_finds_the_boundary_and_planning_fits_more() -> None:
 
 
 def test_cli_max_batch() -> None:
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "optremat.cli", "max-batch", "--model", "gpt-tiny", *args],
-                              capture_output=True, text=True, timeout=300)
+    def run(*args: str) -> Ran:
+        return console.run("max-batch", "--model", "gpt-tiny", *args)
 
-    result = run("--memory", "4MiB", "--time-limit", "5", "--json")
+    result = run("--memory", "4MiB", "--time-limit", "0.1", "--deterministic", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["planned_batch"] >= report["unplanned_batch"] > 0

@@ -12,6 +12,7 @@ import pytest
 import torch.nn as nn
 
 import optremat
+from tests.console import Ran, run
 
 planning = importlib.import_module("optremat.plan")
 
@@ -91,12 +92,12 @@ def test_two_processes_planning_one_key_share_one_entry(tmp_path) -> None:
         p = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5, cache={str(tmp_path / "cache")!r})
         print(json.dumps({{"peak": p.predicted_peak_bytes, "cached": p.cached}}))
     """))
-    runs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(2)]
+    processes = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
     results = []
-    for run in runs:
-        out, err = run.communicate(timeout=300)
-        assert run.returncode == 0, err
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert results[0]["peak"] == results[1]["peak"]
     assert sorted(r["cached"] for r in results) == [False, True]
@@ -109,9 +110,8 @@ def test_cli_cache_list_and_clear(tmp_path) -> None:
     model, inputs, loss_fn = build()
     optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5, cache=tmp_path)
 
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "optremat.cli", "cache", *args, "--dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120)
+    def cli(*args: str) -> Ran:
+        return run("cache", *args, "--dir", str(tmp_path))
 
     listed = cli("list")
     assert listed.returncode == 0 and "1 plans in" in listed.stdout

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from optremat import Graph, GraphError
+from optremat import Graph, GraphError, published
 from tests.dags import graphs
 
 GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
@@ -67,7 +67,7 @@ def test_fingerprint_ignores_costs_but_not_structure():
 def test_save_load(tmp_path):
     g = chain()
     g.save(tmp_path / "g.json")
-    assert Graph.load(tmp_path / "g.json").fingerprint == g.fingerprint
+    assert published.load(tmp_path / "g.json").fingerprint == g.fingerprint
 
 
 def checkmate_flavour() -> dict:
@@ -80,7 +80,7 @@ def checkmate_flavour() -> dict:
 
 def test_a_checkmate_flavoured_graph_loads_with_its_costs_sizes_and_backward_flags(tmp_path):
     (tmp_path / "g.json").write_text(json.dumps(checkmate_flavour()))
-    g = Graph.load(tmp_path / "g.json")
+    g = published.load(tmp_path / "g.json")
     assert sorted(map(tuple, g.edges.tolist())) == [(0, 1), (0, 3), (1, 2), (2, 3)]
     assert g.cost.tolist() == [10, 11, 12, 13] and g.size.tolist() == [100, 200, 300, 400]
     assert g.backward.tolist() == [False, False, True, True] and g.names[2] == "op2"
@@ -92,7 +92,7 @@ def test_a_random_layered_graph_is_numbered_in_its_stated_order(tmp_path):
     links = [{"0": 5, "1": 10}, {"0": 10, "1": 7}, {"0": 5, "1": 7}]
     data = {"directed": True, "graph": {"order": [5, 10, 7]}, "nodes": nodes, "links": links}
     (tmp_path / "g.json").write_text(json.dumps(data))
-    g = Graph.load(tmp_path / "g.json")
+    g = published.load(tmp_path / "g.json")
     assert sorted(map(tuple, g.edges.tolist())) == [(0, 1), (0, 2), (1, 2)]
     assert g.cost.tolist() == [2.0, 1.5, 0.5] and g.size.tolist() == [3, 7, 9]
     assert not g.backward.any()
@@ -107,7 +107,7 @@ def test_a_random_layered_graph_is_numbered_in_its_stated_order(tmp_path):
 def test_a_malformed_node_link_graph_is_refused(tmp_path, data, message):
     (tmp_path / "g.json").write_text(json.dumps(data))
     with pytest.raises(GraphError, match=message):
-        Graph.load(tmp_path / "g.json")
+        published.load(tmp_path / "g.json")
 
 
 @pytest.mark.parametrize("name, nodes, edges", [
@@ -120,6 +120,6 @@ def test_published_graphs_load(name, nodes, edges):
     path = GRAPHS / f"{name}.json"
     if not path.exists():
         pytest.skip(f"published graphs not found at {GRAPHS}")
-    g = Graph.load(path)
+    g = published.load(path)
     assert (g.n, len(g.edges)) == (nodes, edges)
     assert (g.size > 0).all() and g.total_cost > 0

@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
+from optremat import published
 from optremat.solve import HEURISTICS, best_heuristic
 from optremat.synthetic import random_training_graph
 from tests.bruteforce import optimum
@@ -83,7 +84,7 @@ def test_exact_solvers_agree_on_a_chain():
 
 @pytest.mark.skipif(not GRAPHS.is_dir(), reason="published graphs not beside this checkout")
 def test_a_published_graph_plans_within_its_budget():
-    g = Graph.load(GRAPHS / "vgg16_b256_224x224_train.json")
+    g = published.load(GRAPHS / "vgg16_b256_224x224_train.json")
     solution = solve(g, 0.9, time_limit=10, workers=1)
     assert simulate(g, solution.schedule).peak_bytes <= resolve_budget(g, 0.9)
 

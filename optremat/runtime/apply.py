@@ -10,8 +10,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.extract import trace
-from optremat.plan import Plan, exact_program
+from optremat.fingerprint import model_fingerprint
+from optremat.plan import Plan
 from optremat.runtime import native
+from optremat.runtime.exact import exact_program
 from optremat.runtime.native import PlanMismatch
 from optremat.runtime.ops import autocast_state, signature_of
 
@@ -49,7 +51,7 @@ class Planned(nn.Module):
         super().__init__()
         self.model = model
         self.plan = plan
-        self._program: Any = plan.executable
+        self._program: Any = None
         self._warned = False
 
     def forward(self, *args: Any) -> Any:
@@ -71,8 +73,8 @@ class Planned(nn.Module):
         return self._program.run(list(params), values)
 
     def _trace(self, args: tuple) -> Any:
-        traced = trace(self.model, args)
-        if (native.model_fingerprint(self.model) != self.plan.model_fingerprint
+        traced = self.plan.traced or trace(self.model, args)
+        if (model_fingerprint(self.model) != self.plan.model_fingerprint
                 or not _same_step(traced.graph, self.plan.graph)):
             raise PlanMismatch("this plan was made for another model or input shape (fingerprint "
                                f"{self.plan.graph.fingerprint}, these inputs give {traced.graph.fingerprint}); "

@@ -20,12 +20,20 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
-from optremat.extract import Traced
+from optremat.extract import Traced, depending_on, mutated_inputs
 from optremat.graph import Graph
-from optremat.extract import mutated_inputs
 from optremat.runtime.ops import (autocast_state, call, is_random, rng_state, set_rng_state,
                                   signature_of)
 from optremat.schedule import Schedule
+
+
+def exact_program(model: torch.nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule,
+                  shared: dict[int, int] | None = None) -> "ExactProgram":
+    """The executable for `schedule` on `graph` (`traced`'s step, perhaps reordered) of
+    `model` on inputs like `inputs`, the computations in `shared` writing over the input
+    it names."""
+    return ExactProgram(traced, graph, schedule, len(dict(model.named_parameters())),
+                        len(dict(model.named_buffers())), len(tree_leaves(inputs)), shared)
 
 
 class ExactProgram:
@@ -133,25 +141,9 @@ class _Step(torch.autograd.Function):
         return (None, None, *param_grads, *[None] * (ctx.num_leaves - len(param_grads)))
 
 
-def after_output_gradient(graph: Graph, traced: Traced, num_leaves: int) -> np.ndarray:
-    """The op nodes that depend on the model output's gradient: the exact runtime can run
-    them only in its backward, after every other op."""
-    names = {n.name for n in [n for n in traced.module.graph.nodes if n.op == "placeholder"][num_leaves:]}
-    return _depending(graph, [i for i, name in enumerate(graph.names) if name in names])
-
-
-def _depending(graph: Graph, tangents: list[int]) -> np.ndarray:
-    depends = np.zeros(graph.n, dtype=bool)
-    depends[tangents] = True
-    for v in range(graph.n):
-        if not depends[v] and depends[graph.preds[v]].any():
-            depends[v] = True
-    return depends & ~graph.pinned
-
-
 def _first_reading(graph: Graph, tangents: list[int]) -> int:
     """The first node (in the graph's order) that depends on the output's gradient."""
-    depends = _depending(graph, tangents)
+    depends = depending_on(graph, tangents)
     return int(np.argmax(depends)) if depends.any() else graph.n
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import types
 import warnings
 from collections import Counter
@@ -28,6 +27,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from optremat.extract import tracing
+from optremat.fingerprint import model_fingerprint
 from optremat.regions import Region, parse_span
 
 _RUNTIME = "_optremat_runtime"
@@ -36,17 +36,6 @@ _REGION = "_optremat_region"
 
 class PlanMismatch(ValueError):
     """A plan applied to a model it was not made for."""
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A hash of the model's structure (module types, parameter and buffer names, shapes and
-    dtypes): what a plan is made for, whatever the inputs' shapes."""
-    digest = hashlib.sha256()
-    for path, module in model.named_modules():
-        digest.update(f"{path}:{type(module).__qualname__}\x1f".encode())
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        digest.update(f"{name}:{tensor.dtype}{list(tensor.shape)}\x1f".encode())
-    return digest.hexdigest()[:16]
 
 
 class _Runtime:
