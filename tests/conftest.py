@@ -1,5 +1,13 @@
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("optremat", deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+                          database=None)
+settings.load_profile("optremat")
+"""One profile for every property test: no per-example deadline (solvers and tracing
+vary with machine load), the same examples on every run (a run cannot flake on a new
+draw), and no health checks on the slow strategies that build graphs."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, keep_all, simulate
@@ -8,15 +8,15 @@ from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain, training_graphs
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300)
 @given(graphs(max_nodes=8), st.floats(0.2, 1.0))
 def test_the_bound_never_exceeds_the_optimum(g, fraction):
     budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
     bound = recompute_lower_bound(g, budget)
     best = optimum(g, budget)
-    if best is None:
-        return
-    assert bound <= best[0] - g.total_cost + 1e-9
+    assert bound >= 0
+    if best is not None:
+        assert bound <= best[0] - g.total_cost + 1e-9
 
 
 def test_the_bound_is_zero_when_everything_fits_and_grows_as_the_budget_shrinks():
@@ -47,7 +47,7 @@ def test_a_costly_tensor_is_never_half_dropped():
     assert optimum(g, 30)[0] - g.total_cost == pytest.approx(8.0)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300)
 @given(training_graphs(max_layers=3, unsaved_inputs=True), st.floats(0.3, 1.0))
 def test_the_bound_never_exceeds_the_optimum_of_a_training_step(g, fraction):
     budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
@@ -66,7 +66,7 @@ def test_recomputing_a_tensor_pays_for_the_inputs_nothing_else_kept():
     assert optimum(g, 35)[0] - g.total_cost == pytest.approx(12.0)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200)
 @given(st.lists(st.integers(1, 30), min_size=6, max_size=6), st.lists(st.integers(1, 9), min_size=6, max_size=6),
        st.floats(0.3, 1.0), st.booleans())
 def test_the_bound_with_inputs_held_for_recomputation_never_exceeds_the_optimum(size, cost, fraction, saved):

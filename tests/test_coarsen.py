@@ -65,7 +65,7 @@ def test_unplanned_peak_is_kept_within_a_quarter(model_graph, request):
     assert fine_peak * 0.99 <= coarse_peak <= fine_peak * 1.25
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(graphs(), st.booleans(), st.data())
 def test_expansion_is_valid_on_random_graphs(g, by_module, data):
     c = coarsen(g, by_module=by_module)

@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, simulate, solve
@@ -80,7 +80,7 @@ def test_dp_refuses_graphs_without_a_backward_pass():
         solve(skip, 1, solver="dp")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60)
 @given(training_graphs(max_layers=10), st.floats(0.4, 1.0))
 def test_dp_plans_training_dags_within_budget(g, fraction):
     before = g.to_json()

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
@@ -13,7 +13,7 @@ from optremat.synthetic import random_training_graph
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
 
-EXHAUSTIVE = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+EXHAUSTIVE = settings(max_examples=200)
 
 
 def check_against_brute_force(g: Graph, fraction: float, solve, share: bool = False) -> None:
@@ -72,7 +72,7 @@ def test_a_budget_only_sharing_reaches():
         assert simulate(g, solution.schedule, share=frozenset(solution.shared)).peak_bytes == 16
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50)
 @given(graphs(max_nodes=10), st.floats(0.3, 1.0))
 def test_lp_rounding_fits_or_says_infeasible(g, fraction):
     budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
@@ -84,7 +84,7 @@ def test_lp_rounding_fits_or_says_infeasible(g, fraction):
     assert simulate(g, solution.schedule).peak_bytes <= budget
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50)
 @given(graphs(max_nodes=7))
 def test_min_peak_is_the_smallest_budget_with_a_plan(g):
     solution = min_peak_cpsat(g, copies=g.n, workers=1)
@@ -132,7 +132,7 @@ def test_a_hint_is_accepted_and_never_beaten_by_the_result():
     assert again.schedule.events == hinted.schedule.events
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60)
 @given(graphs(max_nodes=10), st.floats(0.5, 1.0))
 def test_a_feasible_hint_is_valid_and_the_result_is_no_worse(g, fraction):
     kept = np.arange(g.n) % 2 == 0

@@ -47,7 +47,7 @@ def test_units_of_aliases_and_parts():
     assert g.unit_size.tolist() == [4, 5, 3, 0]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(graphs())
 def test_json_round_trip(g):
     again = Graph.from_json(json.loads(json.dumps(g.to_json())))

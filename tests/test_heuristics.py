@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, simulate, solve
@@ -11,7 +11,7 @@ from optremat.solve import HEURISTICS
 from tests.dags import graphs, training_chain
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60)
 @given(graphs(max_nodes=14), st.floats(0.2, 1.0), st.sampled_from(sorted(HEURISTICS)))
 def test_every_heuristic_fits_its_budget_or_says_infeasible(g, fraction, name):
     before = g.to_json()

@@ -16,7 +16,7 @@ def schedules(g, kept):
     return (keep_all(g), recompute_all(g), from_kept(g, np.array(kept)))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(graphs(), st.data())
 def test_allocations_add_up_to_the_simulated_memory_curve(g, data):
     kept = data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n))
@@ -29,7 +29,7 @@ def test_allocations_add_up_to_the_simulated_memory_curve(g, data):
         assert live.tolist() == result.curve.tolist()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(graphs(), st.data())
 def test_layouts_never_overlap_live_tensors_and_cpsat_is_no_worse_than_greedy(g, data):
     kept = data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n))

@@ -10,7 +10,7 @@ from optremat.order import best_order, min_memory_order, reorder
 from tests.dags import graphs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(graphs())
 def test_min_memory_order_is_the_same_step_and_best_order_never_raises_the_peak(g):
     order = min_memory_order(g)

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optremat
@@ -26,7 +26,7 @@ def region_map(name: str) -> RegionMap:
     return _region_map(trace(example.model, example.inputs, example.loss_fn), example.model, "cpu")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60)
 @given(name=st.sampled_from(MODELS), data=st.data())
 def test_any_keep_set_lowers_to_a_schedule_that_runs_and_reads_back(name: str, data: st.DataObject) -> None:
     rmap = region_map(name)

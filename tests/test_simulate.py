@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InvalidSchedule, Schedule, from_kept, keep_all, recompute_all, simulate
@@ -65,7 +65,7 @@ def test_workspace_counts_while_the_op_runs():
     assert simulate(g, keep_all(g)).curve.tolist() == [4, 108]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(graphs(), st.data())
 def test_simulate_agrees_with_brute_force(g, data):
     kept = data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n))
@@ -75,7 +75,7 @@ def test_simulate_agrees_with_brute_force(g, data):
         assert res.cost >= g.total_cost - 1e-9
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(graphs(), st.data())
 def test_keeping_more_never_costs_more_compute(g, data):
     kept = np.array(data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n)))
@@ -83,18 +83,16 @@ def test_keeping_more_never_costs_more_compute(g, data):
     assert simulate(g, from_kept(g, kept)).cost <= simulate(g, recompute_all(g)).cost
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(graphs(), st.data())
 def test_schedules_missing_a_needed_computation_are_rejected(g, data):
     schedule = recompute_all(g)
     events = schedule.events
     victim = data.draw(st.sampled_from([e for e in events if g.succs[e[0]].size and e[1] == e[2]] or [None]))
-    if victim is None:
-        return
+    assume(victim is not None)
     broken = Schedule.from_events([e for e in events if e != victim], g.n)
     readers_in_stage = [k for k, s, _ in events if s == victim[1] and victim[0] in g.preds[k].tolist()]
-    if not readers_in_stage and victim[0] != victim[1]:
-        return
+    assume(readers_in_stage or victim[0] == victim[1])
     with pytest.raises(InvalidSchedule) as info:
         simulate(g, broken)
     assert info.value.stage == victim[1]
@@ -136,7 +134,7 @@ def test_recomputing_a_base_while_an_alias_holds_its_old_storage_costs_twice():
     assert res.peak_bytes == brute_force_peak(g, sched) == 21
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(graphs(), st.data())
 def test_sharing_never_raises_the_peak_and_replays_exactly(g, data):
     kept = data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n))

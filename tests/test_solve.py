@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
@@ -89,12 +89,14 @@ def test_a_published_graph_plans_within_its_budget():
     assert simulate(g, solution.schedule).peak_bytes <= resolve_budget(g, 0.9)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60)
 @given(graphs(max_nodes=8, shared_storage=False), st.floats(0.3, 1.0))
 def test_every_reported_bound_holds_and_optimal_means_optimal(g, fraction):
     budget = max(1, int(simulate(g, keep_all(g)).peak_bytes * fraction))
     best = optimum(g, budget)
     if best is None:
+        with pytest.raises(InfeasibleBudget):
+            solve(g, budget, "cpsat", time_limit=10, workers=1, copies=g.n)
         return
     for solver in ("auto", "cpsat", "ilp"):
         solution = solve(g, budget, solver, time_limit=10, workers=1, copies=g.n)
