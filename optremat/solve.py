@@ -49,6 +49,7 @@ Planner = Callable[[Graph, int, Options], Solution]
 """The one planner contract: a graph and a budget in bytes (above what keeping everything
 needs) to a Solution within it, or InfeasibleBudget."""
 
+
 def heuristic(graph: Graph, budget: int, name: str) -> Solution:
     """Run one heuristic and wrap its schedule as a Solution."""
     started = time.perf_counter()
@@ -96,8 +97,9 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
     """
     if solver not in PLANNERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    found = _solve(graph, budget, solver, Options(time_limit, hint, copies, workers, seed, deterministic, progress,
-                                                  share))
+    options = Options(time_limit=time_limit, hint=hint, copies=copies, workers=workers, seed=seed,
+                      deterministic=deterministic, progress=progress, share=share)
+    found = _solve(graph, budget, solver, options)
     return with_shares(graph, found) if share else found
 
 

@@ -175,3 +175,17 @@ def test_gpt_small_extracts_on_fake_tensors():
     g = extract(example.model, example.inputs, example.loss_fn)
     assert g.n > 1000
     assert simulate(g, keep_all(g)).peak_bytes > 4 * 2**30
+
+
+def test_the_cost_profile_follows_the_device(monkeypatch):
+    """Plans for a model on a GPU are priced with that GPU's profile, and a GPU without
+    one is priced as an H100 with a warning that says so."""
+    from optremat.costs import profile_for
+
+    assert profile_for(torch.device("cpu")) == "cpu"
+    for name, profile in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert profile_for(torch.device("cuda", 0)) == profile
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 4090")
+    with pytest.warns(UserWarning, match="no cost profile for 'nvidia geforce rtx 4090'"):
+        assert profile_for(torch.device("cuda", 0)) == "h100"
