@@ -55,7 +55,6 @@ from optremat.solve import SOLVERS, solve
 
 __version__ = "0.1.0"
 
-
 __all__ = [
     "ExtractionError",
     "Graph",
@@ -82,4 +81,3 @@ __all__ = [
     "simulate",
     "solve",
 ]
-

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from optremat import published
 from optremat.budget import InfeasibleBudget
 from optremat.coarsen import coarsen
-from optremat import published
 from optremat.graph import Graph, GraphError, format_bytes
 from optremat.schedule import keep_all, simulate
 from optremat.solve import SOLVERS

@@ -222,12 +222,11 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     regions = []
     dispatched = 0
     for call in structure:
-        members = rmap.members[call]
         plan = _region(rmap, call, kept)
         if plan is None:
             continue
         t, last, saved_ops, recomputed = plan
-        nodes = members.tolist()
+        nodes = rmap.members[call].tolist()
         if saved_ops:
             dispatched += sum(graph.ops[v] != "getitem" for v in nodes) \
                 + sum(graph.ops[v] != "getitem" for v in nodes if v <= last)
