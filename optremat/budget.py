@@ -40,6 +40,15 @@ def parse_size(text: str) -> int:
 
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
     """Bytes meant by `budget` on `graph` (a fraction is of the unplanned simulated peak)."""
+    value = check_budget(budget)
+    if isinstance(value, float):
+        return math.ceil(value * simulate(graph, keep_all(graph)).peak_bytes)
+    return value
+
+
+def check_budget(budget: int | float | str) -> int | float:
+    """`budget` as bytes (an int) or a fraction of the unplanned peak (a float in (0, 1]);
+    ValueError for anything else."""
     if isinstance(budget, bool):
         raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
     if isinstance(budget, str):
@@ -48,12 +57,12 @@ def resolve_budget(graph: Graph, budget: int | float | str) -> int:
             raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
         value = float(match.group(1)) * _UNITS[match.group(2)]
         if match.group(2) == "" and value <= 1:
-            return resolve_budget(graph, value)
+            return check_budget(value)
         budget = int(value)
     if isinstance(budget, float):
         if not math.isfinite(budget) or not 0 < budget <= 1:
             raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
-        return math.ceil(budget * simulate(graph, keep_all(graph)).peak_bytes)
+        return budget
     if not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
     return budget

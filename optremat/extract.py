@@ -147,7 +147,11 @@ def trace(
     returned = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     results, produced = returned[:structure["results"]], iter(node.name for node in returned[structure["results"]:])
     leaves = tuple(next(produced) if value is None else value for value in structure["leaves"])
-    graph = _to_graph(gm, placeholder_kinds, param_names, costs, results)
+    fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
+    fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
+    graph = to_graph(fx_nodes, placeholder_kinds, param_names, costs, results,
+                     lambda node: node.meta.get("custom", {}).get(f"{_MARK}_phase") == "backward")
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes = [by_name[name] for name in graph.names]
     calls = tuple(_call_stack(node) if kind == "op" and not backward else ()
@@ -164,6 +168,13 @@ def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: C
     step traced without it (the exact runtime's) does not see."""
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     out = _fake_output(model, dict(model.named_parameters()), dict(model.named_buffers()), inputs)
+    return output_loss_bytes(out, loss_fn, device=device)
+
+
+def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
+                      device: str | DeviceProfile = "cpu") -> int:
+    """`loss_bytes` for a model output like `out` (tensors, real or fake, whose
+    `requires_grad` says which take a gradient)."""
     traced = trace(_Output(out), (), loss_fn, device=device)
     graph = traced.graph
     held = np.unique(graph.storage_root[graph.pinned | graph.output])
@@ -403,11 +414,13 @@ def _tensor_type(value: Any) -> str:
     return ",".join(parts)
 
 
-def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_names: list[str],
-              costs: dict[str, float], results: list[Any]) -> Graph:
-    fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
-    # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
-    fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
+def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_names: list[str],
+             costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool]) -> Graph:
+    """The Graph of a traced step's fx nodes, listed in a topological order with the
+    placeholders and constants first: `placeholder_kinds` ("param" or "input") and
+    `param_names` (for the module a parameter belongs to) in placeholder order, each op's
+    cost by node name, the nodes that must survive the step (`results`), and which nodes
+    run in the backward. Sizes and aliases come from the fake tensors in `node.meta["val"]`."""
     index = {n: i for i, n in enumerate(fx_nodes)}
     owner: dict[StorageWeakRef, int] = {}
     cols: dict[str, list] = {k: [] for k in ("names", "ops", "cost", "size", "backward", "kind", "module",
@@ -449,7 +462,7 @@ def _to_graph(gm: torch.fx.GraphModule, placeholder_kinds: list[str], param_name
         cols["cost"].append(0.0 if alias_of >= 0 or kind != "op" or node.target is operator.getitem
                             else costs.get(node.name, 0.0))
         cols["size"].append(int(size))
-        cols["backward"].append(custom.get(f"{_MARK}_phase") == "backward")
+        cols["backward"].append(bool(is_backward(node)))
         cols["kind"].append(kind)
         cols["module"].append(module)
         cols["alias_of"].append(alias_of)

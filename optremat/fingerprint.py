@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -16,3 +19,17 @@ def model_fingerprint(model: nn.Module) -> str:
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         digest.update(f"{name}:{tensor.dtype}{list(tensor.shape)}\x1f".encode())
     return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def package_version() -> str:
+    """optremat's installed version and a hash of its sources, part of every plan cache
+    key: a changed planner never reuses plans (or compiled graphs) another one made."""
+    try:
+        version = importlib.metadata.version("optremat")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return f"{version}+{digest.hexdigest()[:16]}"

@@ -10,7 +10,6 @@ solver's schedule op by op as it is.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,7 @@ from optremat.cache import PlanCache
 from optremat.coarsen import coarsen
 from optremat.costs import device_profile, profile_for
 from optremat.extract import Traced, after_output_gradient, assumed_loss, loss_bytes, trace
-from optremat.fingerprint import model_fingerprint
+from optremat.fingerprint import model_fingerprint, package_version
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.cpsat import Progress
 from optremat.ilp.layout import ALIGNMENT, layout
@@ -280,7 +279,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     store = PlanCache(cache)
     key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
                     seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name), training=model.training,
-                    runtime=runtime, order=order, version=_version())
+                    runtime=runtime, order=order, version=package_version())
     with store.locked(key):
         hit = store.get(key, time_limit, Plan.from_json)
         if hit is not None:
@@ -296,20 +295,31 @@ def _relative(progress: Progress, total: float) -> Progress:
 
 
 def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, budget_bytes: int, *, solver: str,
-                 order: str, loss: int, time_limit: float, workers: int, seed: int, deterministic: bool,
-                 progress: Progress | None,
-                 started: float) -> Plan:
-    """Solve on the coarsened graph and run the plan on every op as it is; when the coarse
-    plan peaks over the budget on every op, solve again with the budget reduced by the excess.
-    Once the solver finds no plan (or none in time), the best heuristic plan within the
-    budget, or else at the smallest budget the solver names (or the heuristics reach), is
-    the last try. `graph` is the traced step with room for a loss of `loss` bytes computed
-    outside it (`_with_loss`)."""
+                 order: str, loss: int, **options: Any) -> Plan:
+    """`plan_step` for the exact runtime: `graph` is the traced step with room for a loss
+    of `loss` bytes computed outside it (`_with_loss`), run in its traced order or, with
+    `order="best"`, in the order that lowers its unplanned peak."""
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     if order == "best":
         leaves = _leaf_count(model, inputs)
         graph = _with_loss(best_order(traced.graph, after_output_gradient(traced.graph, traced, leaves))[0],
                            traced, leaves, loss)
+    found = plan_step(graph, budget_bytes, solver=solver, **options)
+    return replace(found, baseline_peak_bytes=baseline, traced=traced)
+
+
+def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_limit: float = 30.0, workers: int = 0,
+              seed: int = 0, deterministic: bool = False, progress: Progress | None = None,
+              started: float | None = None, share: bool = True, runtime: str = "exact") -> Plan:
+    """A plan that runs on every op of `graph` as scheduled (each op computed where the
+    schedule puts it, any number of times), solved on the coarsened graph; when the
+    coarse plan peaks over the budget on every op, solve again with the budget reduced by
+    the excess. Once the solver finds no plan (or none in time), the best heuristic plan
+    within the budget, or else at the smallest budget the solver names (or the
+    heuristics reach), is the last try. `share` prices ops writing over inputs they are
+    the last to read, as the exact runtime runs them."""
+    started = time.perf_counter() if started is None else started
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
     coarse = coarsen(graph)
     target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):
@@ -329,7 +339,7 @@ def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, 
                 raise InfeasibleBudget(budget_bytes, least, f"{solver} (on the coarsened graph)") from None
             exhausted = True
         fine = coarse.expand(solution.schedule)
-        result = simulate(coarse.fine, fine, share=True)
+        result = simulate(coarse.fine, fine, share=share)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
         if result.peak_bytes <= budget_bytes:
             total = graph.total_cost
@@ -338,7 +348,7 @@ def _solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, 
                         predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
                         lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
                         solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
-                        runtime="exact", shared=tuple(sorted(result.shared.items())), traced=traced)
+                        runtime=runtime, shared=tuple(sorted(result.shared.items())))
         if exhausted:
             break
         target -= result.peak_bytes - budget_bytes
@@ -437,13 +447,6 @@ def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
             later = [r for r in recomputed_at.get(p, ()) if r < s or (r == s and p < k)]
             kept[p] = not later
     return kept
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("optremat")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _model_device(model: nn.Module) -> str:

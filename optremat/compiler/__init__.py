@@ -1,0 +1,1 @@
+"""optremat inside torch.compile: the plan is the forward/backward partition."""

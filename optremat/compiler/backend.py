@@ -1,0 +1,161 @@
+"""`compile_backend`: torch.compile with optremat choosing what the backward recomputes.
+
+AOTAutograd hands its partitioner the joint graph of each compiled region; optremat's
+`Partitioner` reads it as a Graph, plans it under the budget op by op (the plan the
+exact runtime would run: any op may be recomputed, any number of times, where the
+schedule puts it) and emits the forward and backward graphs that run that schedule.
+Under Inductor it is installed as `custom_partitioner_fn`, so Inductor's joint-graph
+passes run first and its code generation after; under aot_eager the graphs run as fx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from optremat.budget import check_budget, resolve_budget
+from optremat.cache import PlanCache
+from optremat.compiler.joint import JointStep, read_joint
+from optremat.compiler.partition import partition
+from optremat.costs import DeviceProfile, device_profile, profile_for
+from optremat.fingerprint import package_version
+from optremat.plan import Plan, plan_step
+from optremat.schedule import simulate
+from optremat.solve import SOLVERS
+
+INNER = ("inductor", "aot_eager")
+
+
+@dataclass(eq=False)
+class Partitioner(CustomPartitionerFn):
+    """Plans each joint graph AOTAutograd compiles and partitions it as planned.
+
+    `plans` lists the plan of every graph partitioned, in order (a plan loaded from the
+    cache has `cached` set); `uuid()` names the configuration, so that Inductor's caches
+    never hand one configuration's graphs to another.
+    """
+
+    budget: int | float | str
+    solver: str = "auto"
+    time_limit: float = 30.0
+    deterministic: bool = False
+    seed: int = 0
+    workers: int = 0
+    cache: str | Path | None = None
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    device: str | DeviceProfile | None = None
+    plans: list[Plan] = field(default_factory=list)
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+                 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        num_fwd_outputs = int(kwargs["num_fwd_outputs"])
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []),
+                          self._profile(joint_inputs), self.loss_fn)
+        found = self._plan(step)
+        self.plans.append(found)
+        return partition(gm, step, found.graph, found.schedule, num_fwd_outputs)
+
+    def uuid(self) -> str:
+        parts = [self.budget, self.solver, self.time_limit, self.deterministic, self.seed, self.cache,
+                 getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, package_version()]
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+    def _profile(self, joint_inputs: Sequence[object]) -> DeviceProfile:
+        if self.device is not None:
+            return device_profile(self.device)
+        devices = [t.device for t in joint_inputs if isinstance(t, torch.Tensor)]
+        return device_profile(profile_for(devices[0]) if devices else "cpu")
+
+    def _plan(self, step: JointStep) -> Plan:
+        """The plan for `step`: from the plan cache when it holds one for this graph and
+        budget, else solved (random and in-place ops priced so that no plan runs them twice
+        unless the budget leaves no other way)."""
+        graph = step.graph
+        budget_bytes = resolve_budget(graph, self.budget)
+        if self.cache is None:
+            return self._solve(step, budget_bytes)
+        store = PlanCache(self.cache)
+        key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
+                        deterministic=self.deterministic, runtime="compiled", version=package_version())
+        with store.locked(key):
+            hit = store.get(key, self.time_limit, Plan.from_json)
+            if hit is not None:
+                return replace(hit, cached=True)
+            found = self._solve(step, budget_bytes)
+            store.put(key, found.to_json(), self.time_limit)
+            return found
+
+    def _solve(self, step: JointStep, budget_bytes: int) -> Plan:
+        started = time.perf_counter()
+        graph = step.graph
+        cost = np.where(step.fixed, graph.total_cost + 1.0, graph.cost)
+        found = plan_step(replace(graph, cost=cost), budget_bytes, solver=self.solver, time_limit=self.time_limit,
+                          workers=self.workers, seed=self.seed, deterministic=self.deterministic, started=started,
+                          share=False, runtime="compiled")
+        true_cost = dict(zip(graph.names, graph.cost.tolist()))
+        planned = replace(found.graph, cost=np.array([true_cost[name] for name in found.graph.names]))
+        result = simulate(planned, found.schedule)
+        return replace(found, graph=planned, predicted_overhead=result.overhead, solver_overhead=result.overhead,
+                       lower_bound=None, solve_seconds=time.perf_counter() - started)
+
+
+class Backend:
+    """A torch.compile backend: `inner` compiles the forward and backward graphs that the
+    `partitioner` cuts from each joint graph. `plans` lists the plans made so far."""
+
+    def __init__(self, partitioner: Partitioner, inner: str) -> None:
+        self.partitioner = partitioner
+        self.inner = inner
+
+    @property
+    def plans(self) -> list[Plan]:
+        return self.partitioner.plans
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def run_as_is(module: fx.GraphModule, _: Any) -> Callable:
+            return make_boxed_func(module.forward)
+
+        return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
+                            partition_fn=self.partitioner)(gm, example_inputs)
+
+
+def compile_backend(budget: int | float | str, *, inner: str = "inductor", solver: str = "auto",
+                    time_limit: float = 30.0, deterministic: bool = False, seed: int = 0, workers: int = 0,
+                    cache: str | Path | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                    device: str | DeviceProfile | None = None) -> Backend:
+    """A `torch.compile` backend that plans every compiled training step under `budget`:
+    `torch.compile(model, backend=optremat.compile_backend("6GiB"), dynamic=False)`.
+
+    `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the step's
+    unplanned simulated peak, and bounds the whole step (parameters, inputs, gradients
+    and the loss computed on the outputs included; `loss_fn` prices that loss, a
+    cross-entropy over the largest output's last dimension when not given). `inner` is
+    "inductor" or "aot_eager"; `solver`, `time_limit`, `deterministic`, `seed` and
+    `workers` are `plan()`'s; `cache`, a directory, keeps plans across processes, so the
+    second compile of the same graph solves nothing. A budget no plan meets raises
+    InfeasibleBudget (wrapped by dynamo) naming the smallest budget found. Create one
+    backend per configuration: dynamo reuses compiled graphs per backend object.
+    """
+    if inner not in INNER:
+        raise ValueError(f"unknown inner compiler {inner!r}; choose one of {', '.join(INNER)}")
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    check_budget(budget)
+    return Backend(Partitioner(budget, solver, time_limit, deterministic, seed, workers, cache, loss_fn, device), inner)

@@ -1,0 +1,72 @@
+"""A schedule of the joint graph as AOTAutograd's forward and backward graphs.
+
+The schedule is written out as a new joint graph, one fx node per computation event in
+the schedule's order, so an op the schedule computes twice appears twice (the second
+copy reading the copies current at that point). Events before the first one that reads
+an output's gradient form the forward; the forward copies the backward reads (and the
+primals it reads) are the saved values. PyTorch's own `_extract_fwd_bwd_modules` then
+cuts the forward and backward modules out of that graph with AOTAutograd's conventions
+(saved tensors, symbols, tangents), keeping each module's nodes in the schedule's order:
+fx frees every value after its last use, so the forward and backward hold what the
+simulator prices.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch._functorch.compile_utils import raise_getitems
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, _is_primal, _is_tangent
+from torch.utils._pytree import arg_tree_leaves
+
+from optremat.compiler.joint import JointStep
+from optremat.extract import depending_on
+from optremat.graph import Graph
+from optremat.schedule import Schedule
+
+
+class FixedOpRecomputed(ValueError):
+    """The budget needs a random or in-place op computed twice, which a compiled step cannot."""
+
+
+def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Schedule,
+              num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward modules that run `schedule` (of `graph`, the step's
+    Graph perhaps renumbered) on `joint`'s ops."""
+    by_name = {n.name: n for n in step.nodes}
+    nodes = [by_name[name] for name in graph.names]
+    fixed = {n for n, is_fixed in zip(step.nodes, step.fixed.tolist()) if is_fixed}
+    readers = depending_on(graph, [i for i, n in enumerate(nodes) if _is_tangent(n)])
+    new = fx.Graph()
+    current: dict[fx.Node, fx.Node] = {}
+    for node in joint.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            current[node] = new.node_copy(node)
+    forward = {copy for node, copy in current.items() if node.op == "get_attr" or _is_primal(node)}
+    first: dict[fx.Node, fx.Node] = {}
+    saved: dict[fx.Node, None] = {}
+    in_forward = True
+    for k, s, _ in schedule.events:
+        node = nodes[k]
+        if node.op != "call_function":
+            continue
+        if node in first and node in fixed:
+            raise FixedOpRecomputed(f"the plan computes {node.name} ({node.target}) twice; a random or in-place op "
+                                    "runs once in a compiled step: raise the budget")
+        in_forward = in_forward and not readers[s]
+        copy = new.node_copy(node, lambda arg: current[arg])
+        current[node] = copy
+        first.setdefault(node, copy)
+        if in_forward:
+            forward.add(copy)
+        else:
+            saved.update((arg, None) for arg in copy.all_input_nodes if arg in forward)
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    results = arg_tree_leaves(*output.args)
+    fwd, bwd = results[:num_fwd_outputs], results[num_fwd_outputs:]
+    mapped = [first.get(v, current.get(v)) if isinstance(v, fx.Node) else v for v in fwd]
+    mapped += [current[v] if isinstance(v, fx.Node) else v for v in bwd]
+    new.output(tuple(mapped)).meta = dict(output.meta)
+    scheduled = fx.GraphModule(joint, new)
+    fw_module, bw_module = _extract_fwd_bwd_modules(scheduled, list(saved), saved_sym_nodes=[],
+                                                    num_fwd_outputs=num_fwd_outputs)
+    return raise_getitems(fw_module), raise_getitems(bw_module)
