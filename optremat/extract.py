@@ -340,7 +340,7 @@ def _call_stack(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:
     return tuple((path, int(k)) for path, _, k in (item.rpartition("#") for item in text.split("|") if item))
 
 
-_BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
+BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
 
 
 def after_output_gradient(graph: Graph, traced: Traced, num_leaves: int) -> np.ndarray:
@@ -367,7 +367,7 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
         return []
     written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     name = schema.name.removeprefix("aten::")
-    if name in _BATCH_NORMS and len(node.args) > 5 and node.args[5] is True:
+    if name in BATCH_NORMS and len(node.args) > 5 and node.args[5] is True:
         written += [3, 4]
     return [node.args[i] for i in written if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
 

@@ -126,14 +126,11 @@ class Backend:
             from torch._inductor.compile_fx import compile_fx
 
             return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
-        from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
 
-        def run_as_is(module: fx.GraphModule, _: Any) -> Callable:
-            return make_boxed_func(module.forward)
-
-        return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
-                            partition_fn=self.partitioner)(gm, example_inputs)
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner)(
+            gm, example_inputs)
 
 
 def compile_backend(budget: int | float | str, *, inner: str = "inductor", solver: str = "auto",

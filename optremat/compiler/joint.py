@@ -20,11 +20,12 @@ import torch
 import torch._guards
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch.partitioners import _is_primal, _is_tangent, classify_nodes
 from torch.utils._pytree import tree_leaves
 
 from optremat.costs import DeviceProfile, roofline_cost
-from optremat.extract import ExtractionError, assumed_loss, depending_on, output_loss_bytes, to_graph
+from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, depending_on, output_loss_bytes, to_graph
 from optremat.graph import Graph
 from optremat.runtime.ops import is_random
 
@@ -34,12 +35,17 @@ class JointStep:
     """The Graph of a joint graph, `nodes[i]` the fx node of Graph node i.
 
     `fixed` marks nodes that must run exactly once, where the joint graph has them:
-    random ops (a second run would draw other numbers) and ops that write in place.
+    random ops (a second run would draw other numbers), ops that write in place and ops
+    that read an input the step mutates (after the forward, a recomputation would read
+    the new value). Batch norms are the exception: in training they read the running
+    statistics the step updates (`mutated`, the names of those inputs) only to compute
+    the update, which a recomputation drops, so they may run again.
     """
 
     graph: Graph
     nodes: tuple[torch.fx.Node, ...]
     fixed: np.ndarray
+    mutated: frozenset[str] = frozenset()
 
 
 def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int],
@@ -67,10 +73,11 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
     costs = {n.name: roofline_cost(n, profile) for n in others}
     graph = to_graph(ordered, kinds, [], costs, results, lambda node: node in others and not info.is_required_fw(node))
     nodes = tuple(ordered)
-    fixed = np.array([is_random(n) or _writes_in_place(n) for n in nodes], dtype=bool)
+    mutated = _mutated_inputs(joint, primals)
+    fixed = np.array([is_random(n) or _writes_in_place(n) or _reads_stale(n, mutated) for n in nodes], dtype=bool)
     tangents = [i for i, n in enumerate(nodes) if _is_tangent(n)]
     return JointStep(_with_loss(graph, tangents, [n.meta["val"] for n in placeholders if _is_tangent(n)],
-                                loss_fn, profile), nodes, fixed)
+                                loss_fn, profile), nodes, fixed, frozenset(n.name for n in mutated))
 
 
 def _with_loss(graph: Graph, tangents: list[int], tangent_values: list[Any],
@@ -89,6 +96,20 @@ def _with_loss(graph: Graph, tangents: list[int], tangent_values: list[Any],
     workspace[int(np.argmax(readers))] += loss
     workspace.flags.writeable = False
     return replace(graph, workspace=workspace)
+
+
+def _mutated_inputs(joint: torch.fx.GraphModule, primals: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The primals whose data the compiled step writes: AOTAutograd returns their new
+    values as forward outputs, described as input mutations."""
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    targets = [d.mutated_input for d in output.meta.get("desc") or () if isinstance(d, InputMutationAOTOutput)]
+    return {p for p in primals if p.meta.get("desc") is not None and p.meta["desc"] in targets}
+
+
+def _reads_stale(node: torch.fx.Node, mutated: set[torch.fx.Node]) -> bool:
+    if node.op != "call_function" or not mutated.intersection(node.all_input_nodes):
+        return False
+    return not str(node.target).removeprefix("aten.").startswith(BATCH_NORMS)
 
 
 def _symbolic(value: Any) -> bool:

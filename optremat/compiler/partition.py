@@ -41,6 +41,7 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
     for node in joint.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             current[node] = new.node_copy(node)
+            current[node].meta = dict(node.meta)
     forward = {copy for node, copy in current.items() if node.op == "get_attr" or _is_primal(node)}
     first: dict[fx.Node, fx.Node] = {}
     saved: dict[fx.Node, None] = {}
@@ -60,6 +61,10 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
             forward.add(copy)
         else:
             saved.update((arg, None) for arg in copy.all_input_nodes if arg in forward)
+            for arg in copy.all_input_nodes:
+                if arg.name in step.mutated:
+                    # a batch norm rerun reads the running statistics after their update (see JointStep)
+                    arg.meta["saved_tensor_with_no_vc_check"] = True
     output = next(n for n in joint.graph.nodes if n.op == "output")
     results = arg_tree_leaves(*output.args)
     fwd, bwd = results[:num_fwd_outputs], results[num_fwd_outputs:]
