@@ -17,6 +17,7 @@ _ON_FIRST_USE = {
     "Plan": "optremat.plan", "plan": "optremat.plan",
     "Planned": "optremat.runtime.apply", "apply": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
     "PlanMismatch": "optremat.runtime.native",
+    "compile_backend": "optremat.compiler.backend", "KnapsackSolver": "optremat.compiler.knapsack",
 }
 """Exported names and the modules that hold them, imported when first asked for."""
 _FUNCTIONS = ("extract", "plan", "solve")
@@ -61,6 +62,7 @@ __all__ = [
     "GraphError",
     "InfeasibleBudget",
     "InvalidSchedule",
+    "KnapsackSolver",
     "Plan",
     "PlanMismatch",
     "Planned",
@@ -70,6 +72,7 @@ __all__ = [
     "SimResult",
     "Solution",
     "apply",
+    "compile_backend",
     "extract",
     "from_computations",
     "from_kept",

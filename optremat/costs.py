@@ -84,15 +84,24 @@ def op_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(formula(*args, **kwargs, out_val=out))
 
 
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one fx node, from the fake tensors of its inputs and output."""
+    args, kwargs = _fake_arguments(node)
+    return op_flops(node.target, args, kwargs, node.meta.get("val"))
+
+
 def roofline_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
     """Seconds one fx node takes on `profile` by the roofline model."""
-    value = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
-    args = torch.fx.node.map_aggregate(node.args, value)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+    args, kwargs = _fake_arguments(node)
     out = node.meta.get("val")
     flops = op_flops(node.target, args, kwargs, out)
     moved = tensor_bytes((args, kwargs)) + tensor_bytes(out)
     return max(flops / profile.flops_per_second, moved / profile.bytes_per_second) + profile.launch_seconds
+
+
+def _fake_arguments(node: torch.fx.Node) -> tuple[Any, Any]:
+    value = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    return torch.fx.node.map_aggregate(node.args, value), torch.fx.node.map_aggregate(node.kwargs, value)
 
 
 def workspace_bytes(node: torch.fx.Node) -> int:

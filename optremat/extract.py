@@ -165,7 +165,8 @@ def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: C
                device: str | DeviceProfile = "cpu") -> int:
     """The bytes a loss computed by eager autograd on the model's output adds, at its
     peak, to the output and the output's gradient: the memory of the loss step that a
-    step traced without it (the exact runtime's) does not see."""
+    step traced without it (the exact runtime's) does not see. The output counts only
+    while the loss reads it (a cross-entropy keeps its log-softmax, not its input)."""
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     out = _fake_output(model, dict(model.named_parameters()), dict(model.named_buffers()), inputs)
     return output_loss_bytes(out, loss_fn, device=device)
@@ -177,8 +178,17 @@ def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
     `requires_grad` says which take a gradient)."""
     traced = trace(_Output(out), (), loss_fn, device=device)
     graph = traced.graph
-    held = np.unique(graph.storage_root[graph.pinned | graph.output])
-    return max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0)
+    schedule = keep_all(graph)
+    curve = simulate(graph, schedule).curve.astype(np.int64)
+    # the output is resident in this trace, but once the loss has last read it, it need not be
+    root = graph.storage_root
+    position = np.empty(graph.n, dtype=np.int64)
+    position[schedule.node] = np.arange(len(schedule.node))
+    for r in np.unique(root[graph.pinned]).tolist():
+        readers = [position[v] for v in range(graph.n) if not graph.pinned[v] and (root[graph.preds[v]] == r).any()]
+        curve[max(readers, default=-1) + 1:] -= int(graph.unit_size[r])
+    held = np.unique(root[graph.pinned | graph.output])
+    return max(int(curve.max()) - int(graph.unit_size[held].sum()), 0)
 
 
 def assumed_loss(out: Any) -> torch.Tensor:
@@ -415,12 +425,14 @@ def _tensor_type(value: Any) -> str:
 
 
 def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_names: list[str],
-             costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool]) -> Graph:
+             costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool],
+             extra_reads: Sequence[tuple[torch.fx.Node, torch.fx.Node]] = ()) -> Graph:
     """The Graph of a traced step's fx nodes, listed in a topological order with the
     placeholders and constants first: `placeholder_kinds` ("param" or "input") and
     `param_names` (for the module a parameter belongs to) in placeholder order, each op's
-    cost by node name, the nodes that must survive the step (`results`), and which nodes
-    run in the backward. Sizes and aliases come from the fake tensors in `node.meta["val"]`."""
+    cost by node name, the nodes that must survive the step (`results`), which nodes run
+    in the backward, and reads the fx graph does not show (`extra_reads`, (read, reader)
+    pairs). Sizes and aliases come from the fake tensors in `node.meta["val"]`."""
     index = {n: i for i, n in enumerate(fx_nodes)}
     owner: dict[StorageWeakRef, int] = {}
     cols: dict[str, list] = {k: [] for k in ("names", "ops", "cost", "size", "backward", "kind", "module",
@@ -473,6 +485,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
     for node in results:
         if isinstance(node, torch.fx.Node):
             output[index[node]] = True
+    edges += [(index[read], index[reader]) for read, reader in extra_reads]
     _backward_paths(cols, edges)
     return Graph.build(edges=edges, output=output, **cols)
 

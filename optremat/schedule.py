@@ -155,6 +155,13 @@ def from_computations(graph: Graph, computations: Iterable[tuple[int, int]]) -> 
     return Schedule.from_events([(i, s, n - 1 if resident[i] else u) for (i, s), u in until.items()], n)
 
 
+def without_recomputing(graph: Graph, schedule: Schedule, nodes: np.ndarray) -> Schedule:
+    """`schedule` with every recomputation of `nodes` (a mask) dropped: each of them is
+    computed once, in its own stage, and kept for the reads the dropped copies served;
+    every tensor lives until the last read it serves."""
+    return from_computations(graph, [(i, s) for i, s, _ in schedule.events if s != i and not nodes[i]])
+
+
 def _unkept_ancestors(graph: Graph, t: int, kept: np.ndarray) -> list[int]:
     """`t` and every ancestor reachable through nodes that are not kept."""
     seen = {t}

@@ -15,11 +15,11 @@ LAYERS = (
     {"graph", "published", "synthetic", "schedule", "solution", "budget", "coarsen", "order"},
     {"heuristics", "ilp", "solve", "batch", "regions"},
     {"costs", "extract", "fingerprint", "models", "cache", "plan"},
-    {"runtime"},
+    {"runtime", "compiler"},
     {"bench", "cli", "plots"},
 )
 """Bottom to top: the graph IR and its simulation; the planners; plans (tracing models,
-budgets, the cache); what runs plans; the command line and benchmark front ends. A module
+budgets, the cache); what runs plans (eagerly, or as torch.compile's partition); the command line and benchmark front ends. A module
 imports from its own layer or the ones below."""
 
 TORCH_FREE = 2

@@ -7,11 +7,14 @@ an output node listing the forward outputs, then the gradients. That is the grap
 `optremat.extract` traces itself, so it becomes a Graph the same way (`extract.to_graph`);
 what differs is how forward and backward are told apart: a node is forward when the
 forward outputs need it (PyTorch's own `classify_nodes`), everything else runs in the
-backward.
+backward. The outputs handed to the user live until the loss has used them (the first op
+reading an output's gradient reads them too), not to the end of the step: a training
+loop drops the model's output once it has the loss.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -22,7 +25,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch.partitioners import _is_primal, _is_tangent, classify_nodes
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import arg_tree_leaves
 
 from optremat.costs import DeviceProfile, roofline_cost
 from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, depending_on, output_loss_bytes, to_graph
@@ -39,7 +42,9 @@ class JointStep:
     that read an input the step mutates (after the forward, a recomputation would read
     the new value). Batch norms are the exception: in training they read the running
     statistics the step updates (`mutated`, the names of those inputs) only to compute
-    the update, which a recomputation drops, so they may run again.
+    the update, which a recomputation drops, so they may run again. The first op that
+    reads an output's gradient is fixed too: it carries the loss's memory, which is
+    spent once.
     """
 
     graph: Graph
@@ -63,21 +68,38 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
                               "compile with dynamic=False (each new shape then gets its own plan)")
     info = classify_nodes(joint, static_inputs, num_fwd_outputs)
     others = [n for n in joint.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    # every output of a forward op is taken in the forward, so the op's tuple dies there
+    forward = {n for n in others if info.is_required_fw(n)
+               or (n.target is operator.getitem and info.is_required_fw(n.args[0]))}
     ordered = (placeholders + [n for n in joint.graph.nodes if n.op == "get_attr"]
-               + [n for n in others if info.is_required_fw(n)] + [n for n in others if not info.is_required_fw(n)])
+               + [n for n in others if n in forward] + [n for n in others if n not in forward])
     primals = [n for n in placeholders if _is_primal(n)]
     static = {primals[i] for i in static_inputs}
     kinds = ["param" if n in static else "input" for n in placeholders]
-    results = [n for n in tree_leaves(next(n for n in joint.graph.nodes if n.op == "output").args[0])
-               if isinstance(n, torch.fx.Node)]
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    results = arg_tree_leaves(*output.args)
+    descs = output.meta.get("desc") or [None] * len(results)
+    handed = [n for n, d in zip(results[:num_fwd_outputs], descs) if isinstance(n, torch.fx.Node)
+              and not isinstance(d, InputMutationAOTOutput)]
+    loss_at = _first_reader(ordered, [n for n in placeholders if _is_tangent(n)])
+    kept = [n for n in results if isinstance(n, torch.fx.Node) and (loss_at is None or n not in handed)]
     costs = {n.name: roofline_cost(n, profile) for n in others}
-    graph = to_graph(ordered, kinds, [], costs, results, lambda node: node in others and not info.is_required_fw(node))
+    graph = to_graph(ordered, kinds, [], costs, kept, lambda node: node in others and node not in forward,
+                     [] if loss_at is None else [(n, loss_at) for n in handed])
     nodes = tuple(ordered)
     mutated = _mutated_inputs(joint, primals)
-    fixed = np.array([is_random(n) or _writes_in_place(n) or _reads_stale(n, mutated) for n in nodes], dtype=bool)
+    fixed = np.array([is_random(n) or _writes_in_place(n) or _reads_stale(n, mutated) or n is loss_at
+                      for n in nodes], dtype=bool)
     tangents = [i for i, n in enumerate(nodes) if _is_tangent(n)]
     return JointStep(_with_loss(graph, tangents, [n.meta["val"] for n in placeholders if _is_tangent(n)],
                                 loss_fn, profile), nodes, fixed, frozenset(n.name for n in mutated))
+
+
+def _first_reader(ordered: list[torch.fx.Node], sources: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The first op in `ordered` (a topological order) that depends on one of `sources`:
+    it reads one of them directly."""
+    return next((n for n in ordered if n.op == "call_function" and set(sources).intersection(n.all_input_nodes)),
+                None)
 
 
 def _with_loss(graph: Graph, tangents: list[int], tangent_values: list[Any],

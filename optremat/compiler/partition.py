@@ -13,6 +13,8 @@ simulator prices.
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 from torch._functorch.compile_utils import raise_getitems
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, _is_primal, _is_tangent
@@ -24,17 +26,12 @@ from optremat.graph import Graph
 from optremat.schedule import Schedule
 
 
-class FixedOpRecomputed(ValueError):
-    """The budget needs a random or in-place op computed twice, which a compiled step cannot."""
-
-
 def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Schedule,
               num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward modules that run `schedule` (of `graph`, the step's
     Graph perhaps renumbered) on `joint`'s ops."""
     by_name = {n.name: n for n in step.nodes}
     nodes = [by_name[name] for name in graph.names]
-    fixed = {n for n, is_fixed in zip(step.nodes, step.fixed.tolist()) if is_fixed}
     readers = depending_on(graph, [i for i, n in enumerate(nodes) if _is_tangent(n)])
     new = fx.Graph()
     current: dict[fx.Node, fx.Node] = {}
@@ -50,14 +47,12 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
         node = nodes[k]
         if node.op != "call_function":
             continue
-        if node in first and node in fixed:
-            raise FixedOpRecomputed(f"the plan computes {node.name} ({node.target}) twice; a random or in-place op "
-                                    "runs once in a compiled step: raise the budget")
         in_forward = in_forward and not readers[s]
         copy = new.node_copy(node, lambda arg: current[arg])
         current[node] = copy
         first.setdefault(node, copy)
-        if in_forward:
+        if in_forward or (node.target is operator.getitem and copy.args[0] in forward):
+            # an output of a forward op is taken in the forward: the op's tuple is never saved
             forward.add(copy)
         else:
             saved.update((arg, None) for arg in copy.all_input_nodes if arg in forward)

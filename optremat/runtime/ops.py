@@ -28,7 +28,17 @@ def returns_alias(node: torch.fx.Node) -> bool:
 
 
 def is_random(node: torch.fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """Whether the op draws random numbers: a seeded op, unless its dropout probability
+    is zero (attention and dropout ops called with p=0 are deterministic)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = node.target._schema
+    for position, argument in enumerate(schema.arguments):
+        if argument.name in ("p", "dropout_p"):
+            value = node.kwargs.get(argument.name, node.args[position] if position < len(node.args)
+                                    else argument.default_value)
+            return value != 0
+    return True
 
 
 def rng_state(device: torch.device) -> torch.Tensor:

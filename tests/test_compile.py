@@ -1,0 +1,212 @@
+"""optremat inside torch.compile: the partitioner backend and the knapsack drop-in."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch._dynamo
+import torch._functorch.config as functorch_config
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
+
+import optremat
+from optremat.budget import InfeasibleBudget
+from optremat.compiler import backend as backend_module
+from optremat.compiler.joint import read_joint
+from optremat.compiler.knapsack import KnapsackSolver, runtime_estimate, solve_knapsack
+from optremat.compiler.partition import partition
+from optremat.costs import device_profile
+from optremat.models import build
+from optremat.runtime.measure import measure_peak
+from optremat.schedule import recompute_all, simulate
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Each test compiles from scratch: no graph of another test's backend is reused."""
+    torch._dynamo.reset()
+
+
+def step(model: torch.nn.Module, inputs: tuple, loss_fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    loss = loss_fn(model(*inputs))
+    return loss.detach(), [g.detach() for g in torch.autograd.grad(loss, list(model.parameters()))]
+
+
+def peak_of(model: torch.nn.Module, compiled: torch.nn.Module, inputs: tuple, loss_fn) -> int:
+    step(compiled, inputs, loss_fn)
+    return measure_peak(lambda: step(compiled, inputs, loss_fn),
+                        resident=[list(model.parameters()), list(model.buffers()), inputs]).peak_bytes
+
+
+def assert_same_step(expected: tuple, got: tuple) -> None:
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1], expected[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny"])
+def test_compiled_step_fits_each_budget_with_eager_gradients(name: str) -> None:
+    example = build(name)
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    expected = step(model, inputs, loss_fn)
+    unplanned = peak_of(model, torch.compile(model, backend="aot_eager", dynamic=False), inputs, loss_fn)
+    peaks = []
+    for fraction in (0.9, 0.7, 0.5):
+        torch._dynamo.reset()
+        budget = int(fraction * unplanned)
+        backend = optremat.compile_backend(budget, inner="aot_eager", solver="greedy")
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        try:
+            got = step(compiled, inputs, loss_fn)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            assert isinstance(error.inner_exception, InfeasibleBudget), error
+            assert "smallest budget" in str(error.inner_exception)
+            continue
+        assert_same_step(expected, got)
+        peak = peak_of(model, compiled, inputs, loss_fn)
+        assert peak <= budget * 1.02, (fraction, peak, budget)
+        assert peak <= backend.plans[0].predicted_peak_bytes * 1.02
+        peaks.append(peak)
+    assert len(peaks) >= 2, "the greedy plan should meet at least the two larger budgets"
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_batch_norm_statistics_update_once() -> None:
+    example = build("resnet-tiny")
+    reference = build("resnet-tiny")
+    step(reference.model, reference.inputs, reference.loss_fn)
+    backend = optremat.compile_backend(0.6, inner="aot_eager", solver="greedy")
+    compiled = torch.compile(example.model, backend=backend, dynamic=False)
+    step(compiled, example.inputs, example.loss_fn)
+    assert backend.plans[0].schedule.recomputations > 0
+    for (name, got), want in zip(example.model.named_buffers(), reference.model.buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_every_op_recomputed_where_needed_runs_as_eager() -> None:
+    """The partition of the schedule that recomputes everything each backward op reads:
+    many ops computed several times, each copy reading the copies current where it runs."""
+    example = build("gpt-tiny")
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    expected = step(model, inputs, loss_fn)
+    counts = []
+
+    def partition_everything(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None):
+        joint_step = read_joint(joint, num_fwd_outputs, static_lifetime_input_indices or [], device_profile("cpu"))
+        schedule = recompute_all(joint_step.graph)
+        counts.append(schedule.recomputations)
+        return partition(joint, joint_step, joint_step.graph, schedule, num_fwd_outputs)
+
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_everything)
+    assert_same_step(expected, step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn))
+    assert counts and counts[0] > 0
+
+
+def test_predicted_peak_is_the_measured_one_when_nothing_fuses() -> None:
+    example = build("gpt-tiny")
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    backend = optremat.compile_backend(0.8, inner="aot_eager", solver="greedy", loss_fn=loss_fn)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    measured = peak_of(model, compiled, inputs, loss_fn)
+    plan = backend.plans[0]
+    assert simulate(plan.graph, plan.schedule).peak_bytes == plan.predicted_peak_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+
+
+def test_later_steps_do_not_compile_again() -> None:
+    example = build("gpt-tiny")
+    backend = optremat.compile_backend(0.8, inner="aot_eager", solver="greedy")
+    compiled = torch.compile(example.model, backend=backend, dynamic=False)
+    step(compiled, example.inputs, example.loss_fn)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            step(compiled, example.inputs, example.loss_fn)
+    assert len(backend.plans) == 1
+
+
+def test_plan_cache_hit_compiles_without_solving(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    example = build("gpt-tiny")
+    first = optremat.compile_backend(0.8, inner="aot_eager", solver="greedy", cache=tmp_path)
+    expected = step(torch.compile(example.model, backend=first, dynamic=False), example.inputs, example.loss_fn)
+    assert not first.plans[0].cached
+    torch._dynamo.reset()
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("a cached plan was solved again")
+
+    monkeypatch.setattr(backend_module, "plan_step", no_solving)
+    second = optremat.compile_backend(0.8, inner="aot_eager", solver="greedy", cache=tmp_path)
+    got = step(torch.compile(example.model, backend=second, dynamic=False), example.inputs, example.loss_fn)
+    assert second.plans[0].cached
+    assert second.plans[0].schedule.to_json() == first.plans[0].schedule.to_json()
+    assert_same_step(expected, got)
+
+
+def test_bad_configurations_are_refused_before_compiling() -> None:
+    with pytest.raises(ValueError, match="inner"):
+        optremat.compile_backend(0.5, inner="tvm")
+    with pytest.raises(ValueError, match="solver"):
+        optremat.compile_backend(0.5, solver="magic")
+    with pytest.raises(ValueError, match="budget"):
+        optremat.compile_backend("lots")
+    with pytest.raises(ValueError, match="budget"):
+        optremat.compile_backend(1.5)
+
+
+def test_dynamic_shapes_ask_for_static_compilation() -> None:
+    example = build("gpt-tiny")
+    backend = optremat.compile_backend(0.8, inner="aot_eager", solver="greedy")
+    compiled = torch.compile(example.model, backend=backend, dynamic=True)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="dynamic=False"):
+        step(compiled, example.inputs, example.loss_fn)
+
+
+def test_knapsack_solver_is_picked_up_and_beats_the_default() -> None:
+    example = build("gpt-tiny")
+    expected = step(example.model, example.inputs, example.loss_fn)
+    seen = []
+
+    class Recording(KnapsackSolver):
+        def __call__(self, memory, joint_graph, max_memory, node_info, nodes):
+            saved, recomputed = super().__call__(memory, joint_graph, max_memory, node_info, nodes)
+            runtimes = [runtime_estimate(n) for n in nodes]
+            seen.append((memory, max_memory, runtimes, saved, recomputed, dp_knapsack(memory, runtimes, max_memory)))
+            return saved, recomputed
+
+    solver = Recording(time_limit=5.0)
+    with functorch_config.patch(activation_memory_budget=0.3, activation_memory_budget_solver=solver):
+        got = step(torch.compile(example.model, backend="aot_eager", dynamic=False), example.inputs,
+                   example.loss_fn)
+    assert solver.calls >= 1 and seen
+    assert_same_step(expected, got)
+    for memory, max_memory, runtimes, saved, recomputed, (_, default_saved, default_recomputed) in seen:
+        assert sum(memory[i] for i in saved) <= max_memory + 1e-9
+        assert sorted(saved + recomputed) == list(range(len(memory)))
+        if sum(memory[i] for i in default_saved) <= max_memory:
+            assert sum(runtimes[i] for i in recomputed) <= sum(runtimes[i] for i in default_recomputed) + 1e-9
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.floats(0.0, 10.0)), min_size=1, max_size=9), st.integers(0, 120))
+def test_knapsack_is_optimal(items: list[tuple[int, float]], capacity: int) -> None:
+    sizes, runtimes = [s for s, _ in items], [r for _, r in items]
+    saved = solve_knapsack(sizes, runtimes, capacity, time_limit=30.0, workers=1)
+    assert sum(sizes[i] for i in saved) <= capacity
+    best = max((sum(runtimes[i] for i in chosen)
+                for k in range(len(items) + 1) for chosen in itertools.combinations(range(len(items)), k)
+                if sum(sizes[i] for i in chosen) <= capacity))
+    assert sum(runtimes[i] for i in saved) >= best - 1e-6 * max(best, 1.0)
+
+
+def test_knapsack_never_does_worse_than_the_default_answer() -> None:
+    memory = [0.3, 0.3, 0.25, 0.2, 0.1]
+    runtimes = [5.0, 4.0, 3.0, 2.5, 1.0]
+    sizes = [round(m * 1000) for m in memory]
+    _, default_saved, _ = dp_knapsack(memory, runtimes, 0.6)
+    saved = solve_knapsack(sizes, runtimes, 600, hint=default_saved)
+    assert sum(sizes[i] for i in saved) <= 600
+    assert sum(runtimes[i] for i in saved) >= sum(runtimes[i] for i in default_saved)
