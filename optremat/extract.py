@@ -165,28 +165,31 @@ def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: C
                device: str | DeviceProfile = "cpu") -> int:
     """The bytes a loss computed by eager autograd on the model's output adds, at its
     peak, to the output and the output's gradient: the memory of the loss step that a
-    step traced without it (the exact runtime's) does not see. The output counts only
-    while the loss reads it (a cross-entropy keeps its log-softmax, not its input)."""
+    step traced without it (the exact runtime's) does not see."""
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     out = _fake_output(model, dict(model.named_parameters()), dict(model.named_buffers()), inputs)
     return output_loss_bytes(out, loss_fn, device=device)
 
 
-def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
-                      device: str | DeviceProfile = "cpu") -> int:
+def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, device: str | DeviceProfile = "cpu",
+                      output_released: bool = False) -> int:
     """`loss_bytes` for a model output like `out` (tensors, real or fake, whose
-    `requires_grad` says which take a gradient)."""
+    `requires_grad` says which take a gradient). With `output_released`, the output
+    counts only while the loss reads it (a cross-entropy keeps its log-softmax, not its
+    input), as when the caller drops the model's output once it has the loss; otherwise
+    the output stays alive through the loss, as the exact runtime holds it."""
     traced = trace(_Output(out), (), loss_fn, device=device)
     graph = traced.graph
     schedule = keep_all(graph)
     curve = simulate(graph, schedule).curve.astype(np.int64)
-    # the output is resident in this trace, but once the loss has last read it, it need not be
     root = graph.storage_root
-    position = np.empty(graph.n, dtype=np.int64)
-    position[schedule.node] = np.arange(len(schedule.node))
-    for r in np.unique(root[graph.pinned]).tolist():
-        readers = [position[v] for v in range(graph.n) if not graph.pinned[v] and (root[graph.preds[v]] == r).any()]
-        curve[max(readers, default=-1) + 1:] -= int(graph.unit_size[r])
+    if output_released:
+        position = np.empty(graph.n, dtype=np.int64)
+        position[schedule.node] = np.arange(len(schedule.node))
+        for r in np.unique(root[graph.pinned]).tolist():
+            readers = [position[v] for v in range(graph.n)
+                       if not graph.pinned[v] and (root[graph.preds[v]] == r).any()]
+            curve[max(readers, default=-1) + 1:] -= int(graph.unit_size[r])
     held = np.unique(root[graph.pinned | graph.output])
     return max(int(curve.max()) - int(graph.unit_size[held].sum()), 0)
 

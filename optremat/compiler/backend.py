@@ -152,8 +152,8 @@ class Backend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
-        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner)(
-            gm, example_inputs)
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def compile_backend(budget: int | float | str, *, inner: str = "inductor", solver: str = "auto",

@@ -113,7 +113,8 @@ def _with_loss(graph: Graph, tangents: list[int], tangent_values: list[Any],
     with unset_fake_temporarily(), torch._guards.tracing(None), torch.enable_grad():
         out = [torch.empty(t.shape, dtype=t.dtype, device=t.device, requires_grad=t.is_floating_point())
                for t in tangent_values]
-        loss = output_loss_bytes(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile)
+        loss = output_loss_bytes(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile,
+                                 output_released=True)
     workspace = graph.workspace.copy()
     workspace[int(np.argmax(readers))] += loss
     workspace.flags.writeable = False

@@ -1,0 +1,159 @@
+"""optremat as torch.compile's partitioner, against PyTorch's own memory budget.
+
+    python -m benchmarks.compile [--models gpt-mini,resnet-mini,llama] [--inner aot_eager,inductor]
+                                 [--rounds 9] [--limit 20]
+
+For each model and inner compiler: the compiled step with PyTorch's default partition
+(`activation_memory_budget` 1) is measured, then PyTorch's `activation_memory_budget` at
+0.5, 0.3 and 0.1 with its default knapsack solver; `optremat.compile_backend` is given
+each of those measured peaks in bytes ("= torch f") and 90/70/50% of the unplanned
+compiled peak. Every configuration gets a fresh backend callable, so dynamo never reuses
+another configuration's graph. Each optremat row checks loss and gradients against
+eager (float32, allclose 1e-5). Step times are measured in one process over `rounds`
+rounds after one uncounted warm-up round; in each round the configurations run in a
+shuffled order, each right after a step of the unplanned compiled step, and the overhead
+is the median of the per-round ratios. "optremat / torch" is the median of the per-round
+ratios of the optremat row's step time to the PyTorch row whose peak it was given. The
+Llama is transformers' `LlamaConfig` model (random weights, sdpa attention, tied
+embeddings, dataclass output) with its loss computed outside the model from the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import optremat
+from benchmarks.native import Case, _seconds, built_in, llama
+from optremat.bench import torch_budget_backend
+from optremat.graph import format_bytes
+from optremat.runtime.measure import measure_peak
+
+HEADER = ["model", "inner", "method", "budget", "predicted peak", "measured peak", "measured / budget",
+          "grads = eager", "predicted overhead", "measured overhead (median)", "optremat / torch (median)",
+          "plan s", "compile s"]
+TORCH_BUDGETS = (0.5, 0.3, 0.1)
+FRACTIONS = (0.9, 0.7, 0.5)
+
+
+def rows(name: str, inner: str, rounds: int, limit: float) -> list[list[str]]:
+    case: Case = llama("cpu") if name == "llama" else built_in(name, "cpu")
+    model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
+    params = [p for p in model.parameters() if p.requires_grad]
+    resident = [params, list(model.buffers()), inputs]
+    eager_loss = loss_fn(model(*inputs))
+    eager = [eager_loss.detach()] + [g.detach() for g in torch.autograd.grad(eager_loss, params)]
+
+    def compiled_step(backend: Callable) -> tuple[Callable[[], Any], float, bool]:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+
+        def step() -> list[torch.Tensor]:
+            loss = loss_fn(compiled(*inputs))
+            return [loss.detach()] + list(torch.autograd.grad(loss, params))
+
+        started = time.perf_counter()
+        first = step()
+        seconds = time.perf_counter() - started
+        same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(first, eager))
+        return step, seconds, same
+
+    def measured(run: Callable[[], Any]) -> int:
+        return measure_peak(run, resident=resident).peak_bytes
+
+    peer = inner if inner == "inductor" else "aot_eager"
+    methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]] = {}
+    peaks: dict[str, int] = {}
+    for fraction in (1.0,) + TORCH_BUDGETS:
+        run, seconds, same = compiled_step(torch_budget_backend(fraction, peer))
+        key = "unplanned" if fraction == 1.0 else f"torch {fraction:g}"
+        peaks[key] = measured(run)
+        methods[key] = (run, {"method": f"torch, activation_memory_budget {fraction:g}",
+                              "measured peak": format_bytes(peaks[key]), "grads = eager": "yes" if same else "NO",
+                              "compile s": f"{seconds:.0f}"})
+        print(name, inner, key, format_bytes(peaks[key]), flush=True)
+    budgets = [(f"= {key}", peaks[key]) for key in peaks if key != "unplanned"]
+    budgets += [(f"{f:.0%} of unplanned", int(f * peaks["unplanned"])) for f in FRACTIONS]
+    for label, budget in budgets:
+        backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=loss_fn)
+        try:
+            run, seconds, same = compiled_step(backend)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            if not isinstance(error.inner_exception, optremat.InfeasibleBudget):
+                raise
+            methods[label] = (None, {"method": "optremat", "budget": label,
+                                     "predicted peak": f"infeasible (smallest {format_bytes(error.inner_exception.smallest)})"})
+            continue
+        plan = backend.plans[0]
+        peak = measured(run)
+        methods[label] = (run, {
+            "method": "optremat" + (f" ({len(backend.plans)} graphs)" if len(backend.plans) > 1 else ""),
+            "budget": f"{label}: {format_bytes(budget)}", "predicted peak": format_bytes(plan.predicted_peak_bytes),
+            "measured peak": format_bytes(peak), "measured / budget": f"{peak / budget:.3f}",
+            "grads = eager": "yes" if same else "NO", "predicted overhead": f"{plan.predicted_overhead:+.1%}",
+            "plan s": f"{sum(p.solve_seconds for p in backend.plans):.1f}", "compile s": f"{seconds:.0f}"})
+        print(name, inner, label, format_bytes(peak), flush=True)
+    _time(methods, rounds)
+    return [[name, inner] + [fields.get(column, "-") for column in HEADER[2:]] for _, fields in methods.values()]
+
+
+def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], rounds: int) -> None:
+    """Median per-round overheads against the unplanned compiled step, and optremat's
+    per-round ratio to the PyTorch configuration whose peak it was given."""
+    runs = {key: run for key, (run, _) in methods.items() if run is not None}
+    order = random.Random(0)
+    seconds: dict[str, list[float]] = {key: [] for key in runs}
+    baseline: dict[str, list[float]] = {key: [] for key in runs}
+    for round_ in range(rounds + 1):
+        keys = list(runs)
+        order.shuffle(keys)
+        for key in keys:
+            base, mine = _seconds(runs["unplanned"], "cpu"), _seconds(runs[key], "cpu")
+            if round_:
+                baseline[key].append(base)
+                seconds[key].append(mine)
+    for key in runs:
+        fields = methods[key][1]
+        fields["measured overhead (median)"] = (
+            f"{statistics.median(m / b for m, b in zip(seconds[key], baseline[key])) - 1:+.1%}")
+        peer = key.removeprefix("= ")
+        if key.startswith("= ") and peer in runs:
+            ratio = statistics.median(m / p for m, p in zip(seconds[key], seconds[peer]))
+            fields["optremat / torch (median)"] = f"{ratio:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
+    parser.add_argument("--inner", default="aot_eager,inductor")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--limit", type=float, default=20.0)
+    parser.add_argument("--out", default=str(Path(__file__).with_name("compile.md")))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, no GPU"
+    command = " ".join(["python -m benchmarks.compile"] + sys.argv[1:])
+    lines = ["# optremat as torch.compile's partitioner", "",
+             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
+             __doc__.split("\n\n", 2)[2].strip(), "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    out = Path(args.out)
+    for inner in args.inner.split(","):
+        for name in args.models.split(","):
+            for cells in rows(name, inner, args.rounds, args.limit):
+                lines.append("| " + " | ".join(cells) + " |")
+                print(" | ".join(cells), flush=True)
+            out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
