@@ -47,7 +47,7 @@ def test_a_costly_tensor_is_never_half_dropped():
     assert optimum(g, 30)[0] - g.total_cost == pytest.approx(8.0)
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(training_graphs(max_layers=3, unsaved_inputs=True), st.floats(0.3, 1.0))
 def test_the_bound_never_exceeds_the_optimum_of_a_training_step(g, fraction):
     budget = int(simulate(g, keep_all(g)).peak_bytes * fraction)
