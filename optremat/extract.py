@@ -176,8 +176,9 @@ def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, devic
     """`loss_bytes` for a model output like `out` (tensors, real or fake, whose
     `requires_grad` says which take a gradient). With `output_released`, the output
     counts only while the loss reads it (a cross-entropy keeps its log-softmax, not its
-    input), as when the caller drops the model's output once it has the loss; otherwise
-    the output stays alive through the loss, as the exact runtime holds it."""
+    input), as when the caller drops the model's output once it has the loss, and the
+    output's gradient counts as the loss's own (the bytes beyond the output alone);
+    otherwise the output stays alive through the loss, as the exact runtime holds it."""
     traced = trace(_Output(out), (), loss_fn, device=device)
     graph = traced.graph
     schedule = keep_all(graph)
@@ -190,7 +191,7 @@ def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, devic
             readers = [position[v] for v in range(graph.n)
                        if not graph.pinned[v] and (root[graph.preds[v]] == r).any()]
             curve[max(readers, default=-1) + 1:] -= int(graph.unit_size[r])
-    held = np.unique(root[graph.pinned | graph.output])
+    held = np.unique(root[graph.pinned | (graph.output & ~output_released)])
     return max(int(curve.max()) - int(graph.unit_size[held].sum()), 0)
 
 

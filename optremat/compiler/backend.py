@@ -59,9 +59,10 @@ class Partitioner(CustomPartitionerFn):
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []),
-                          self._profile(joint_inputs), self.loss_fn)
-        found = self._plan(step)
+        profile = self._profile(joint_inputs)
+        step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []), profile,
+                          self.loss_fn)
+        found = self._plan(step, profile)
         self.plans.append(found)
         return partition(gm, step, found.graph, found.schedule, num_fwd_outputs)
 
@@ -76,7 +77,7 @@ class Partitioner(CustomPartitionerFn):
         devices = [t.device for t in joint_inputs if isinstance(t, torch.Tensor)]
         return device_profile(profile_for(devices[0]) if devices else "cpu")
 
-    def _plan(self, step: JointStep) -> Plan:
+    def _plan(self, step: JointStep, profile: DeviceProfile) -> Plan:
         """The plan for `step`: from the plan cache when it holds one for this graph and
         budget, else solved (random and in-place ops priced so that no plan runs them twice
         unless the budget leaves no other way)."""
@@ -86,7 +87,8 @@ class Partitioner(CustomPartitionerFn):
             return self._solve(step, budget_bytes)
         store = PlanCache(self.cache)
         key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
-                        deterministic=self.deterministic, runtime="compiled", version=package_version())
+                        deterministic=self.deterministic, device=profile, runtime="compiled",
+                        version=package_version())
         with store.locked(key):
             hit = store.get(key, self.time_limit, Plan.from_json)
             if hit is not None:
@@ -166,7 +168,10 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the step's
     unplanned simulated peak, and bounds the whole step (parameters, inputs, gradients
     and the loss computed on the outputs included; `loss_fn` prices that loss, a
-    cross-entropy over the largest output's last dimension when not given). `inner` is
+    cross-entropy over the largest output's last dimension when not given: it is called
+    on the compiled graph's outputs that take a gradient, a tensor when there is one (the
+    logits), else a list of them, since the model's output structure is not part of the
+    graph). `inner` is
     "inductor" or "aot_eager"; `solver`, `time_limit`, `deterministic`, `seed` and
     `workers` are `plan()`'s; `cache`, a directory, keeps plans across processes, so the
     second compile of the same graph solves nothing. A budget no plan meets raises

@@ -15,7 +15,7 @@ loop drops the model's output once it has the loss.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -28,27 +28,36 @@ from torch._functorch.partitioners import _is_primal, _is_tangent, classify_node
 from torch.utils._pytree import arg_tree_leaves
 
 from optremat.costs import DeviceProfile, roofline_cost
-from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, depending_on, output_loss_bytes, to_graph
+from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, output_loss_bytes, to_graph
 from optremat.graph import Graph
 from optremat.runtime.ops import is_random
 
 
+LOSS = "optremat_loss"
+"""The name of the Graph node that stands for the loss."""
+
+
 @dataclass(frozen=True)
 class JointStep:
-    """The Graph of a joint graph, `nodes[i]` the fx node of Graph node i.
+    """The Graph of a joint graph and its fx nodes by name.
 
-    `fixed` marks nodes that must run exactly once, where the joint graph has them:
+    `fixed` marks the Graph's nodes that must run exactly once, where the joint graph has them:
     random ops (a second run would draw other numbers), ops that write in place and ops
     that read an input the step mutates (after the forward, a recomputation would read
     the new value). Batch norms are the exception: in training they read the running
     statistics the step updates (`mutated`, the names of those inputs) only to compute
-    the update, which a recomputation drops, so they may run again. The first op that
-    reads an output's gradient is fixed too: it carries the loss's memory, which is
-    spent once.
+    the update, which a recomputation drops, so they may run again.
+
+    `graph` also holds a node for the loss (named `LOSS`, with no fx node): it reads the
+    outputs handed to the user and holds the loss's memory as its workspace; the outputs'
+    gradients (the `tangents_*` placeholders) are computed by it, so they are allocated
+    when the loss has run and freed after their last read, not resident for the whole
+    step. The loss is an output of no size and the gradients are fixed, so no plan
+    computes either twice.
     """
 
     graph: Graph
-    nodes: tuple[torch.fx.Node, ...]
+    nodes: dict[str, torch.fx.Node]
     fixed: np.ndarray
     mutated: frozenset[str] = frozenset()
 
@@ -71,54 +80,61 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
     # every output of a forward op is taken in the forward, so the op's tuple dies there
     forward = {n for n in others if info.is_required_fw(n)
                or (n.target is operator.getitem and info.is_required_fw(n.args[0]))}
-    ordered = (placeholders + [n for n in joint.graph.nodes if n.op == "get_attr"]
-               + [n for n in others if n in forward] + [n for n in others if n not in forward])
     primals = [n for n in placeholders if _is_primal(n)]
+    tangents = [n for n in placeholders if _is_tangent(n)]
+    ordered = (primals + [n for n in joint.graph.nodes if n.op == "get_attr"] + [n for n in others if n in forward]
+               + tangents + [n for n in others if n not in forward])
     static = {primals[i] for i in static_inputs}
-    kinds = ["param" if n in static else "input" for n in placeholders]
+    kinds = ["param" if n in static else "input" for n in primals] + ["op"] * len(tangents)
     output = next(n for n in joint.graph.nodes if n.op == "output")
     results = arg_tree_leaves(*output.args)
     descs = output.meta.get("desc") or [None] * len(results)
     handed = [n for n, d in zip(results[:num_fwd_outputs], descs) if isinstance(n, torch.fx.Node)
               and not isinstance(d, InputMutationAOTOutput)]
-    loss_at = _first_reader(ordered, [n for n in placeholders if _is_tangent(n)])
-    kept = [n for n in results if isinstance(n, torch.fx.Node) and (loss_at is None or n not in handed)]
+    kept = [n for n in results if isinstance(n, torch.fx.Node) and (not tangents or n not in handed)]
     costs = {n.name: roofline_cost(n, profile) for n in others}
-    graph = to_graph(ordered, kinds, [], costs, kept, lambda node: node in others and node not in forward,
-                     [] if loss_at is None else [(n, loss_at) for n in handed])
-    nodes = tuple(ordered)
+    graph = to_graph(ordered, kinds, [], costs, kept, lambda node: node not in forward and not _is_primal(node))
     mutated = _mutated_inputs(joint, primals)
-    fixed = np.array([is_random(n) or _writes_in_place(n) or _reads_stale(n, mutated) or n is loss_at
-                      for n in nodes], dtype=bool)
-    tangents = [i for i, n in enumerate(nodes) if _is_tangent(n)]
-    return JointStep(_with_loss(graph, tangents, [n.meta["val"] for n in placeholders if _is_tangent(n)],
-                                loss_fn, profile), nodes, fixed, frozenset(n.name for n in mutated))
+    fixed = [is_random(n) or _writes_in_place(n) or _reads_stale(n, mutated) or _is_tangent(n) for n in ordered]
+    if tangents:
+        at = ordered.index(tangents[0])
+        loss = _loss_bytes([n.meta["val"] for n in tangents], loss_fn, profile)
+        graph = _with_loss_node(graph, at, [ordered.index(n) for n in handed], loss, len(tangents))
+        fixed.insert(at, False)
+    return JointStep(graph, {n.name: n for n in ordered}, np.array(fixed, dtype=bool),
+                     frozenset(n.name for n in mutated))
 
 
-def _first_reader(ordered: list[torch.fx.Node], sources: list[torch.fx.Node]) -> torch.fx.Node | None:
-    """The first op in `ordered` (a topological order) that depends on one of `sources`:
-    it reads one of them directly."""
-    return next((n for n in ordered if n.op == "call_function" and set(sources).intersection(n.all_input_nodes)),
-                None)
-
-
-def _with_loss(graph: Graph, tangents: list[int], tangent_values: list[Any],
-               loss_fn: Callable[[Any], torch.Tensor] | None, profile: DeviceProfile) -> Graph:
-    """`graph` with the loss's bytes as the workspace of the first op that reads an
-    output's gradient: the loss runs in eager autograd between the compiled forward and
-    backward, so that is when those bytes are live."""
-    readers = depending_on(graph, tangents)
-    if not readers.any() or not tangent_values:
-        return graph
+def _loss_bytes(tangent_values: list[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+                profile: DeviceProfile) -> int:
+    """What the loss, run by eager autograd between the compiled forward and backward on
+    outputs shaped like the gradients `tangent_values`, holds beyond them at its peak."""
     with unset_fake_temporarily(), torch._guards.tracing(None), torch.enable_grad():
         out = [torch.empty(t.shape, dtype=t.dtype, device=t.device, requires_grad=t.is_floating_point())
                for t in tangent_values]
-        loss = output_loss_bytes(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile,
+        return output_loss_bytes(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile,
                                  output_released=True)
-    workspace = graph.workspace.copy()
-    workspace[int(np.argmax(readers))] += loss
-    workspace.flags.writeable = False
-    return replace(graph, workspace=workspace)
+
+
+def _with_loss_node(graph: Graph, at: int, reads: list[int], workspace: int, gradients: int) -> Graph:
+    """`graph` with the loss (see `JointStep`) inserted as node `at`, reading `reads` and
+    producing the `gradients` nodes that had indices `at` onwards."""
+    def shifted(i: int) -> int:
+        return i + (i >= at)
+
+    def column(values: Any, value: Any) -> list:
+        out = list(values)
+        out.insert(at, value)
+        return out
+
+    edges = ([(shifted(a), shifted(b)) for a, b in graph.edges.tolist()]
+             + [(shifted(r), at) for r in reads] + [(at, at + 1 + k) for k in range(gradients)])
+    return Graph.build(names=column(graph.names, LOSS), ops=column(graph.ops, "loss"), cost=column(graph.cost, 0.0),
+                       size=column(graph.size, 0), backward=column(graph.backward, True),
+                       kind=column(graph.kind, "op"), module=column(graph.module, ""),
+                       alias_of=column([shifted(a) if a >= 0 else -1 for a in graph.alias_of.tolist()], -1),
+                       output=column(graph.output, True), edges=edges, fusible=column(graph.fusible, False),
+                       workspace=column(graph.workspace, workspace), tensor=column(graph.tensor, ""))
 
 
 def _mutated_inputs(joint: torch.fx.GraphModule, primals: list[torch.fx.Node]) -> set[torch.fx.Node]:

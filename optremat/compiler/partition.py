@@ -30,9 +30,8 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
               num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward modules that run `schedule` (of `graph`, the step's
     Graph perhaps renumbered) on `joint`'s ops."""
-    by_name = {n.name: n for n in step.nodes}
-    nodes = [by_name[name] for name in graph.names]
-    readers = depending_on(graph, [i for i, n in enumerate(nodes) if _is_tangent(n)])
+    nodes = [step.nodes.get(name) for name in graph.names]
+    readers = depending_on(graph, [i for i, n in enumerate(nodes) if n is not None and _is_tangent(n)])
     new = fx.Graph()
     current: dict[fx.Node, fx.Node] = {}
     for node in joint.graph.nodes:
@@ -45,7 +44,7 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
     in_forward = True
     for k, s, _ in schedule.events:
         node = nodes[k]
-        if node.op != "call_function":
+        if node is None or node.op != "call_function":
             continue
         in_forward = in_forward and not readers[s]
         copy = new.node_copy(node, lambda arg: current[arg])
