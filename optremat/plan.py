@@ -112,9 +112,9 @@ class Plan:
         lost = self.predicted_overhead - self.solver_overhead
         lowering = f" ({lost:+.2%} from running it as module regions)" if abs(lost) > 5e-5 else ""
         selective = sum(bool(r.saved) for r in self.regions)
-        how = (f"{len(self.regions)} module calls checkpointed, {selective} of them saving chosen ops"
-               if self.runtime == "native"
-               else f"exact runtime (op by op; {len(self.shared)} ops write over inputs they read last)")
+        how = {"native": f"{len(self.regions)} module calls checkpointed, {selective} of them saving chosen ops",
+               "exact": f"exact runtime (op by op; {len(self.shared)} ops write over inputs they read last)",
+               "compiled": "torch.compile's forward and backward graphs run the schedule op by op"}[self.runtime]
         arena = layout(self.graph, self.schedule, "greedy")
         return "\n".join([
             f"budget {format_bytes(self.budget_bytes)}: predicted peak {format_bytes(self.predicted_peak_bytes)} "

@@ -215,3 +215,13 @@ def test_knapsack_never_does_worse_than_the_default_answer() -> None:
     saved = solve_knapsack(sizes, runtimes, 600, hint=default_saved)
     assert sum(sizes[i] for i in saved) <= 600
     assert sum(runtimes[i] for i in saved) >= sum(runtimes[i] for i in default_saved)
+
+
+def test_a_compiled_plan_summarizes_and_is_not_applied_eagerly() -> None:
+    example = gpt()
+    backend = optremat.compile_backend(0.8, inner="aot_eager", solver="dtr")
+    step(torch.compile(example.model, backend=backend, dynamic=False), example.inputs, example.loss_fn)
+    plan = backend.plans[0]
+    assert "torch.compile" in plan.summary() and "cross-entropy" in plan.summary()
+    with pytest.raises(ValueError, match="compile_backend"):
+        optremat.apply(example.model, plan)

@@ -4,6 +4,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InvalidSchedule, Schedule, from_kept, keep_all, recompute_all, simulate
+from optremat.schedule import without_recomputing
 from tests.dags import graphs
 
 
@@ -165,3 +166,16 @@ def test_a_share_whose_input_is_still_needed_is_rejected():
     result = simulate(chain, keep_all(chain), share=True)
     assert result.shared == {1: 0}
     assert result.curve.tolist() == [8, 8, 16] and simulate(chain, keep_all(chain)).curve.tolist() == [8, 16, 16]
+
+
+@given(graphs(), st.data())
+def test_dropping_recomputations_keeps_one_computation_of_each_masked_node(g, data):
+    schedule = recompute_all(g)
+    masked = np.array(data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n)), dtype=bool)
+    dropped = without_recomputing(g, schedule, masked)
+    counts = np.bincount(dropped.node, minlength=g.n)
+    assert (counts[masked] == 1).all()
+    assert (counts[~masked] == np.bincount(schedule.node, minlength=g.n)[~masked]).all()
+    result = simulate(g, dropped)
+    assert result.cost <= simulate(g, schedule).cost + 1e-9
+    assert result.peak_bytes == brute_force_peak(g, dropped)

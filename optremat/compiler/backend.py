@@ -29,6 +29,7 @@ from optremat.costs import DeviceProfile, device_profile, profile_for
 from optremat.fingerprint import package_version
 from optremat.plan import EXACT_ATTEMPTS, Plan, plan_step
 from optremat.schedule import simulate, without_recomputing
+from optremat.solution import FEASIBLE, OPTIMAL
 from optremat.solve import SOLVERS
 
 INNER = ("inductor", "aot_eager")
@@ -98,40 +99,35 @@ class Partitioner(CustomPartitionerFn):
             return found
 
     def _solve(self, step: JointStep, budget_bytes: int) -> Plan:
-        """Solve with the fixed ops priced above any plan that does not rerun them, then
-        drop whatever reruns of them a planner still placed (keeping the one computation
-        instead) and price the result on the true costs; when that peaks over the budget,
-        solve again with the budget reduced by the excess."""
+        """Solve, then drop whatever reruns of fixed ops the plan placed (keeping their one
+        computation instead) and price the result; when that peaks over the budget, solve
+        again with the budget reduced by the excess."""
         started = time.perf_counter()
-        graph = step.graph
-        priced = replace(graph, cost=_frozen(np.where(step.fixed, graph.total_cost + 1.0, graph.cost)))
-        cost, fixed = dict(zip(graph.names, graph.cost.tolist())), dict(zip(graph.names, step.fixed.tolist()))
+        fixed = dict(zip(step.graph.names, step.fixed.tolist()))
         target, smallest = budget_bytes, None
         for _ in range(EXACT_ATTEMPTS):
             try:
-                found = plan_step(priced, target, solver=self.solver, time_limit=self.time_limit, workers=self.workers,
-                                  seed=self.seed, deterministic=self.deterministic, started=started, share=False,
-                                  runtime="compiled")
+                found = plan_step(step.graph, target, solver=self.solver, time_limit=self.time_limit,
+                                  workers=self.workers, seed=self.seed, deterministic=self.deterministic,
+                                  started=started, share=False, runtime="compiled")
             except InfeasibleBudget as error:
                 raise InfeasibleBudget(budget_bytes, min(error.smallest, smallest or error.smallest),
                                        f"{self.solver} in a compiled step") from None
-            planned = replace(found.graph, cost=_frozen([cost[name] for name in found.graph.names]))
+            planned = found.graph
             schedule = without_recomputing(planned, found.schedule, np.array([fixed[n] for n in planned.names]))
             result = simulate(planned, schedule)
             if result.peak_bytes <= budget_bytes:
+                dropped = len(schedule.node) < len(found.schedule.node)
                 return replace(found, graph=planned, schedule=schedule, budget_bytes=budget_bytes,
+                               status=FEASIBLE if dropped and found.status == OPTIMAL else found.status,
                                predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead,
                                solver_overhead=result.overhead, lower_bound=None,
-                               solve_seconds=time.perf_counter() - started)
+                               solve_seconds=time.perf_counter() - started,
+                               loss="priced by loss_fn on the outputs that take a gradient" if self.loss_fn else
+                               "not given: priced as a cross-entropy over the last dimension of the largest output")
             smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
             target -= result.peak_bytes - budget_bytes
         raise InfeasibleBudget(budget_bytes, smallest, f"{self.solver} in a compiled step")
-
-
-def _frozen(values: Any) -> np.ndarray:
-    array = np.array(values, dtype=np.float64)
-    array.flags.writeable = False
-    return array
 
 
 class Backend:

@@ -26,6 +26,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     takes it off again. An exact plan returns a wrapper that runs the traced step."""
     if not isinstance(plan, Plan):
         raise TypeError(f"apply needs an optremat Plan, not {type(plan).__name__}")
+    if plan.runtime == "compiled":
+        raise ValueError("this plan partitions a torch.compile graph and runs there: compile the model with "
+                         "optremat.compile_backend instead of applying it")
     if plan.runtime == "exact":
         return Planned(model, plan)
     return native.install(model, plan.regions, training=plan.training, fingerprint=plan.model_fingerprint,
