@@ -191,7 +191,7 @@ def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, devic
             readers = [position[v] for v in range(graph.n)
                        if not graph.pinned[v] and (root[graph.preds[v]] == r).any()]
             curve[max(readers, default=-1) + 1:] -= int(graph.unit_size[r])
-    held = np.unique(root[graph.pinned | (graph.output & ~output_released)])
+    held = np.unique(root[graph.pinned | graph.output] if not output_released else root[graph.pinned])
     return max(int(curve.max()) - int(graph.unit_size[held].sum()), 0)
 
 

@@ -319,13 +319,7 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
     heuristics reach), is the last try. `share` prices ops writing over inputs they are
     the last to read, as the exact runtime runs them."""
     started = time.perf_counter() if started is None else started
-    unplanned = simulate(graph, keep_all(graph))
-    baseline = unplanned.peak_bytes
-    if baseline <= budget_bytes:
-        return Plan(graph=graph, schedule=keep_all(graph), regions=(), model_fingerprint="", budget_bytes=budget_bytes,
-                    predicted_peak_bytes=baseline, baseline_peak_bytes=baseline, predicted_overhead=0.0,
-                    solver=solver, status=OPTIMAL, lower_bound=0.0, solve_seconds=time.perf_counter() - started,
-                    solver_overhead=0.0, runtime=runtime)
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
     coarse = coarsen(graph)
     target, deadline, smallest = budget_bytes, started + time_limit, None
     for _ in range(EXACT_ATTEMPTS):

@@ -51,7 +51,7 @@ def test_milp_matches_brute_force_without_shared_storage(g, fraction):
     check_against_brute_force(g, fraction, lambda g, b: solve_milp(g, b, time_limit=30))
 
 
-@settings(EXHAUSTIVE, max_examples=50)
+@settings(EXHAUSTIVE, max_examples=25)
 @given(graphs(max_nodes=8, shared_storage=False, typed=True), st.floats(0.3, 1.0))
 def test_milp_with_share_matches_brute_force(g, fraction):
     check_against_brute_force(g, fraction, lambda g, b: solve_milp(g, b, time_limit=30, share=True), share=True)
