@@ -2,6 +2,7 @@
 
     python -m benchmarks.compile [--models gpt-mini,resnet-mini,llama] [--inner aot_eager,inductor]
                                  [--rounds 9] [--limit 20]
+    python -m benchmarks.compile --knapsack    (the knapsack drop-in against PyTorch's dp solver)
 
 For each model and inner compiler: the compiled step with PyTorch's default partition
 (`activation_memory_budget` 1) is measured, then PyTorch's `activation_memory_budget` at
@@ -132,6 +133,42 @@ def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], r
             fields["optremat / torch (median)"] = f"{ratio:.3f}"
 
 
+KNAPSACK_HEADER = ["model", "activation_memory_budget", "items", "optremat saved", "optremat recompute",
+                   "default (dp) saved", "default (dp) recompute"]
+
+
+def knapsack_rows(name: str) -> list[list[str]]:
+    """PyTorch's memory-budget partitioner on aot_eager with `optremat.KnapsackSolver`,
+    and what its default dp solver answers to the same knapsacks: saved memory (as a
+    fraction of the partitioner's activation range, the budget's unit) and the recompute
+    left, in the configured estimator's runtimes (FLOPs)."""
+    import torch._functorch.config as functorch_config
+    from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
+
+    from optremat.compiler.knapsack import KnapsackSolver, runtime_estimate
+
+    case: Case = llama("cpu") if name == "llama" else built_in(name, "cpu")
+    found: list[list[str]] = []
+
+    class Compared(KnapsackSolver):
+        def __call__(self, memory, joint_graph, max_memory, node_info, nodes):  # noqa: ANN001 - PyTorch's hook
+            saved, recomputed = super().__call__(memory, joint_graph, max_memory, node_info, nodes)
+            runtimes = [runtime_estimate(n) for n in nodes]
+            _, default_saved, default_recomputed = dp_knapsack(memory, runtimes, max_memory)
+            found.append([name, f"{max_memory:g}", str(len(nodes)), f"{sum(memory[i] for i in saved):.5f}",
+                          f"{sum(runtimes[i] for i in recomputed):.4g}",
+                          f"{sum(memory[i] for i in default_saved):.5f}",
+                          f"{sum(runtimes[i] for i in default_recomputed):.4g}"])
+            return saved, recomputed
+
+    for fraction in TORCH_BUDGETS:
+        torch._dynamo.reset()
+        with functorch_config.patch(activation_memory_budget=fraction, activation_memory_budget_solver=Compared()):
+            compiled = torch.compile(case.model, backend="aot_eager", dynamic=False)
+            case.loss_fn(compiled(*case.inputs)).backward()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
@@ -139,7 +176,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
     parser.add_argument("--out", default=str(Path(__file__).with_name("compile.md")))
+    parser.add_argument("--knapsack", action="store_true",
+                        help="compare the knapsack drop-in with PyTorch's default solver instead (prints a table)")
     args = parser.parse_args()
+    if args.knapsack:
+        print("| " + " | ".join(KNAPSACK_HEADER) + " |\n|" + "---|" * len(KNAPSACK_HEADER))
+        for name in args.models.split(","):
+            for cells in knapsack_rows(name):
+                print("| " + " | ".join(cells) + " |", flush=True)
+        return
     torch.set_num_threads(2)
     # every configuration keeps its compiled graphs for the timing rounds; never fall back to eager
     torch._dynamo.config.recompile_limit = 64
