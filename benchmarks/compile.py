@@ -35,6 +35,7 @@ import torch
 
 import optremat
 from benchmarks.native import Case, _seconds, built_in, llama
+from benchmarks.report import write_rows
 from optremat.bench import torch_budget_backend
 from optremat.graph import format_bytes
 from optremat.runtime.measure import measure_peak
@@ -192,19 +193,11 @@ def main() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, no GPU"
     command = " ".join(["python -m benchmarks.compile"] + sys.argv[1:])
-    lines = ["# optremat as torch.compile's partitioner", "",
-             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
-             __doc__.split("\n\n", 2)[2].strip(), "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    out = Path(args.out)
-    for inner in args.inner.split(","):
-        for name in args.models.split(","):
-            for cells in rows(name, inner, args.rounds, args.limit):
-                lines.append("| " + " | ".join(cells) + " |")
-                print(" | ".join(cells), flush=True)
-            out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
-
+    head = ["# optremat as torch.compile's partitioner", "",
+            f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
+            __doc__.split("\n\n", 2)[2].strip(), ""]
+    write_rows(Path(args.out), head, HEADER, (rows(name, inner, args.rounds, args.limit)
+                                              for inner in args.inner.split(",") for name in args.models.split(",")))
 
 if __name__ == "__main__":
     main()

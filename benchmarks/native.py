@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import optremat
+from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend, under
 from optremat.graph import format_bytes
 from optremat.models import build
@@ -186,16 +187,11 @@ def main() -> None:
         machine = f"{torch.cuda.get_device_name(args.device)}, {os.cpu_count()} host cores"
         out = Path(os.environ.get("OUT", Path(__file__).parent)) / f"native_{args.device.split(':')[0]}.md"
     command = " ".join(["python -m benchmarks.native"] + sys.argv[1:])
-    lines = ["# Native runtime at equal measured peak", "",
-             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
-             __doc__.split("\n\n", 2)[2].strip(), "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    for name in args.models.split(","):
-        for cells in rows(name, args.rounds, args.limit, args.device, args.backend):
-            lines.append("| " + " | ".join(cells) + " |")
-            print(" | ".join(cells), flush=True)
-        out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    head = ["# Native runtime at equal measured peak", "",
+            f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
+            __doc__.split("\n\n", 2)[2].strip(), ""]
+    write_rows(out, head, HEADER, (rows(name, args.rounds, args.limit, args.device, args.backend)
+                                   for name in args.models.split(",")))
 
 
 if __name__ == "__main__":

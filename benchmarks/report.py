@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
+from typing import Iterable
 
 import ortools
 import torch
@@ -18,3 +20,15 @@ def machine() -> str:
     """CPU, cores, library versions: the line every results section states."""
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}, "
             f"ortools {ortools.__version__}, Python {platform.python_version()}")
+
+
+def write_rows(out: Path, head: list[str], header: list[str], batches: Iterable[list[list[str]]]) -> None:
+    """Write `head`, then a table of `header` whose rows come in `batches`: each batch is
+    printed as it comes and the page rewritten after it, so a long run loses nothing done."""
+    lines = head + ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for rows in batches:
+        for cells in rows:
+            lines.append("| " + " | ".join(cells) + " |")
+            print(" | ".join(cells), flush=True)
+        out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
