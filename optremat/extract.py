@@ -429,14 +429,13 @@ def _tensor_type(value: Any) -> str:
 
 
 def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_names: list[str],
-             costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool],
-             extra_reads: Sequence[tuple[torch.fx.Node, torch.fx.Node]] = ()) -> Graph:
+             costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool]) -> Graph:
     """The Graph of a traced step's fx nodes, listed in a topological order with the
-    placeholders and constants first: `placeholder_kinds` ("param" or "input") and
-    `param_names` (for the module a parameter belongs to) in placeholder order, each op's
-    cost by node name, the nodes that must survive the step (`results`), which nodes run
-    in the backward, and reads the fx graph does not show (`extra_reads`, (read, reader)
-    pairs). Sizes and aliases come from the fake tensors in `node.meta["val"]`."""
+    placeholders and constants first: `placeholder_kinds` ("param", "input", or "op" for
+    a placeholder computed within the step) and `param_names` (for the module a parameter
+    belongs to) in placeholder order, each op's cost by node name, the nodes that must
+    survive the step (`results`), and which nodes run in the backward. Sizes and aliases
+    come from the fake tensors in `node.meta["val"]`."""
     index = {n: i for i, n in enumerate(fx_nodes)}
     owner: dict[StorageWeakRef, int] = {}
     cols: dict[str, list] = {k: [] for k in ("names", "ops", "cost", "size", "backward", "kind", "module",
@@ -489,7 +488,6 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
     for node in results:
         if isinstance(node, torch.fx.Node):
             output[index[node]] = True
-    edges += [(index[read], index[reader]) for read, reader in extra_reads]
     _backward_paths(cols, edges)
     return Graph.build(edges=edges, output=output, **cols)
 

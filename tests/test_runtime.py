@@ -501,9 +501,9 @@ def test_saved_tensors_on_cpu_and_a_deep_copy_run_the_plan() -> None:
 
 def test_planning_a_model_with_a_plan_on_it_plans_the_model_itself() -> None:
     model, inputs, loss_fn = gpt_dropout()
-    first = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    first = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, solver="greedy")
     optremat.apply(model, first)
-    again = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    again = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, solver="greedy")
     assert again.fingerprint == first.fingerprint and again.baseline_peak_bytes == first.baseline_peak_bytes
 
 

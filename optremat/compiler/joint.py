@@ -7,9 +7,10 @@ an output node listing the forward outputs, then the gradients. That is the grap
 `optremat.extract` traces itself, so it becomes a Graph the same way (`extract.to_graph`);
 what differs is how forward and backward are told apart: a node is forward when the
 forward outputs need it (PyTorch's own `classify_nodes`), everything else runs in the
-backward. The outputs handed to the user live until the loss has used them (the first op
-reading an output's gradient reads them too), not to the end of the step: a training
-loop drops the model's output once it has the loss.
+backward. Between the two runs the loss, in eager autograd: it becomes a node of the
+Graph (see `JointStep`), so the outputs handed to the user live until it has read them,
+not to the end of the step (a training loop drops the model's output once it has the
+loss), and the outputs' gradients exist from then on, not from the start.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
               and not isinstance(d, InputMutationAOTOutput)]
     kept = [n for n in results if isinstance(n, torch.fx.Node) and (not tangents or n not in handed)]
     costs = {n.name: roofline_cost(n, profile) for n in others}
-    graph = to_graph(ordered, kinds, [], costs, kept, lambda node: node not in forward and not _is_primal(node))
+    backward = set(tangents) | (set(others) - forward)
+    graph = to_graph(ordered, kinds, [], costs, kept, backward.__contains__)
     mutated = _mutated_inputs(joint, primals)
     fixed = [is_random(n) or _writes_in_place(n) or _reads_stale(n, mutated) or _is_tangent(n) for n in ordered]
     if tangents:
