@@ -3,6 +3,7 @@
     python -m benchmarks.compile [--models gpt-mini,resnet-mini,llama] [--inner aot_eager,inductor]
                                  [--rounds 9] [--limit 20]
     python -m benchmarks.compile --knapsack    (the knapsack drop-in against PyTorch's dp solver)
+    python -m benchmarks.compile --price-torch (PyTorch's partitions priced by optremat's simulator)
 
 For each model and inner compiler: the compiled step with PyTorch's default partition
 (`activation_memory_budget` 1) is measured, then PyTorch's `activation_memory_budget` at
@@ -170,6 +171,55 @@ def knapsack_rows(name: str) -> list[list[str]]:
     return found
 
 
+PRICED_HEADER = ["model", "activation_memory_budget", "forward ops recomputed", "optremat's predicted peak",
+                 "optremat's predicted overhead"]
+
+
+def priced_rows(name: str) -> list[list[str]]:
+    """PyTorch's own partitions on aot_eager (min-cut at each budget), priced by optremat's
+    simulator: each forward op the backward graph runs again is recomputed once, where the
+    backward first needs it, and every other forward tensor is kept."""
+    import numpy as np
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from optremat.compiler.joint import read_joint
+    from optremat.costs import device_profile
+    from optremat.schedule import from_kept, simulate
+
+    case: Case = llama("cpu") if name == "llama" else built_in(name, "cpu")
+    found: list[list[str]] = []
+
+    def priced(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:
+        step = read_joint(joint, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
+                          device_profile("cpu"))
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        rerun = {n.name for n in backward.graph.nodes if n.op == "call_function"}
+        graph = step.graph
+        recomputed = np.array([not graph.backward[i] and not graph.pinned[i] and graph.names[i] in rerun
+                               for i in range(graph.n)])
+        result = simulate(graph, from_kept(graph, ~recomputed, reuse=True))
+        found.append([name, f"{functorch_config.activation_memory_budget:g}", str(int(recomputed.sum())),
+                      format_bytes(result.peak_bytes), f"{result.overhead:+.1%}"])
+        return forward, backward
+
+    for fraction in TORCH_BUDGETS:
+        torch._dynamo.reset()
+        with functorch_config.patch(activation_memory_budget=fraction):
+            backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=priced)
+            case.loss_fn(torch.compile(case.model, backend=backend, dynamic=False)(*case.inputs)).backward()
+    return found
+
+
+def _print_table(header: list[str], batches: Any) -> None:
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for rows in batches:
+        for cells in rows:
+            print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
@@ -179,12 +229,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).with_name("compile.md")))
     parser.add_argument("--knapsack", action="store_true",
                         help="compare the knapsack drop-in with PyTorch's default solver instead (prints a table)")
+    parser.add_argument("--price-torch", action="store_true",
+                        help="price PyTorch's own partitions with optremat's simulator instead (prints a table)")
     args = parser.parse_args()
     if args.knapsack:
-        print("| " + " | ".join(KNAPSACK_HEADER) + " |\n|" + "---|" * len(KNAPSACK_HEADER))
-        for name in args.models.split(","):
-            for cells in knapsack_rows(name):
-                print("| " + " | ".join(cells) + " |", flush=True)
+        _print_table(KNAPSACK_HEADER, (knapsack_rows(name) for name in args.models.split(",")))
+        return
+    if args.price_torch:
+        _print_table(PRICED_HEADER, (priced_rows(name) for name in args.models.split(",")))
         return
     torch.set_num_threads(2)
     # every configuration keeps its compiled graphs for the timing rounds; never fall back to eager
