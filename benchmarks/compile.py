@@ -35,8 +35,8 @@ from typing import Any, Callable
 import torch
 
 import optremat
-from benchmarks.native import Case, _seconds, built_in, llama
-from benchmarks.report import write_rows
+from benchmarks.native import _seconds, case_of
+from benchmarks.report import table, write_rows
 from optremat.bench import torch_budget_backend
 from optremat.graph import format_bytes
 from optremat.runtime.measure import measure_peak
@@ -49,7 +49,7 @@ FRACTIONS = (0.9, 0.7, 0.5)
 
 
 def rows(name: str, inner: str, rounds: int, limit: float) -> list[list[str]]:
-    case: Case = llama("cpu") if name == "llama" else built_in(name, "cpu")
+    case = case_of(name, "cpu")
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
     resident = [params, list(model.buffers()), inputs]
@@ -149,7 +149,7 @@ def knapsack_rows(name: str) -> list[list[str]]:
 
     from optremat.compiler.knapsack import KnapsackSolver, runtime_estimate
 
-    case: Case = llama("cpu") if name == "llama" else built_in(name, "cpu")
+    case = case_of(name, "cpu")
     found: list[list[str]] = []
 
     class Compared(KnapsackSolver):
@@ -189,7 +189,7 @@ def priced_rows(name: str) -> list[list[str]]:
     from optremat.costs import device_profile
     from optremat.schedule import from_kept, simulate
 
-    case: Case = llama("cpu") if name == "llama" else built_in(name, "cpu")
+    case = case_of(name, "cpu")
     found: list[list[str]] = []
 
     def priced(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:
@@ -213,13 +213,6 @@ def priced_rows(name: str) -> list[list[str]]:
     return found
 
 
-def _print_table(header: list[str], batches: Any) -> None:
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for rows in batches:
-        for cells in rows:
-            print("| " + " | ".join(cells) + " |", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
@@ -233,10 +226,10 @@ def main() -> None:
                         help="price PyTorch's own partitions with optremat's simulator instead (prints a table)")
     args = parser.parse_args()
     if args.knapsack:
-        _print_table(KNAPSACK_HEADER, (knapsack_rows(name) for name in args.models.split(",")))
+        print(table(KNAPSACK_HEADER, [row for name in args.models.split(",") for row in knapsack_rows(name)]))
         return
     if args.price_torch:
-        _print_table(PRICED_HEADER, (priced_rows(name) for name in args.models.split(",")))
+        print(table(PRICED_HEADER, [row for name in args.models.split(",") for row in priced_rows(name)]))
         return
     torch.set_num_threads(2)
     # every configuration keeps its compiled graphs for the timing rounds; never fall back to eager

@@ -98,8 +98,13 @@ def built_in(name: str, device: str) -> Case:
     return Case(example.model, example.inputs, example.loss_fn, per_block)
 
 
+def case_of(name: str, device: str) -> Case:
+    """The Llama or a built-in model by name."""
+    return llama(device) if name == "llama" else built_in(name, device)
+
+
 def rows(name: str, rounds: int, limit: float, device: str, backend: str) -> list[list[str]]:
-    case = llama(device) if name == "llama" else built_in(name, device)
+    case = case_of(name, device)
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
     resident = [params, list(model.buffers()), inputs]

@@ -187,10 +187,10 @@ def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, devic
     if output_released:
         position = np.empty(graph.n, dtype=np.int64)
         position[schedule.node] = np.arange(len(schedule.node))
+        src, dst = graph.edges[:, 0], graph.edges[:, 1]
         for r in np.unique(root[graph.pinned]).tolist():
-            readers = [position[v] for v in range(graph.n)
-                       if not graph.pinned[v] and (root[graph.preds[v]] == r).any()]
-            curve[max(readers, default=-1) + 1:] -= int(graph.unit_size[r])
+            last_read = position[dst[~graph.pinned[dst] & (root[src] == r)]].max(initial=-1)
+            curve[last_read + 1:] -= int(graph.unit_size[r])
     held = np.unique(root[graph.pinned | graph.output] if not output_released else root[graph.pinned])
     return max(int(curve.max()) - int(graph.unit_size[held].sum()), 0)
 

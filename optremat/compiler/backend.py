@@ -80,8 +80,7 @@ class Partitioner(CustomPartitionerFn):
 
     def _plan(self, step: JointStep, profile: DeviceProfile) -> Plan:
         """The plan for `step`: from the plan cache when it holds one for this graph and
-        budget, else solved (random and in-place ops priced so that no plan runs them twice
-        unless the budget leaves no other way)."""
+        budget, else solved."""
         graph = step.graph
         budget_bytes = resolve_budget(graph, self.budget)
         if self.cache is None:

@@ -29,7 +29,7 @@ from torch._functorch.partitioners import _is_primal, _is_tangent, classify_node
 from torch.utils._pytree import arg_tree_leaves
 
 from optremat.costs import DeviceProfile, roofline_cost
-from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, output_loss_bytes, to_graph
+from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, mutated_inputs, output_loss_bytes, to_graph
 from optremat.graph import Graph
 from optremat.runtime.ops import is_random
 
@@ -97,7 +97,7 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
     backward = set(tangents) | (set(others) - forward)
     graph = to_graph(ordered, kinds, [], costs, kept, backward.__contains__)
     mutated = _mutated_inputs(joint, primals)
-    fixed = [is_random(n) or _writes_in_place(n) or _reads_stale(n, mutated) or _is_tangent(n) for n in ordered]
+    fixed = [is_random(n) or bool(mutated_inputs(n)) or _reads_stale(n, mutated) or _is_tangent(n) for n in ordered]
     if tangents:
         at = ordered.index(tangents[0])
         loss = _loss_bytes([n.meta["val"] for n in tangents], loss_fn, profile)
@@ -155,8 +155,3 @@ def _reads_stale(node: torch.fx.Node, mutated: set[torch.fx.Node]) -> bool:
 
 def _symbolic(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
-
-
-def _writes_in_place(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable

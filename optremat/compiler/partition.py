@@ -37,7 +37,6 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
     for node in joint.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             current[node] = new.node_copy(node)
-            current[node].meta = dict(node.meta)
     forward = {copy for node, copy in current.items() if node.op == "get_attr" or _is_primal(node)}
     first: dict[fx.Node, fx.Node] = {}
     saved: dict[fx.Node, None] = {}
