@@ -49,6 +49,7 @@ sys.modules[__name__].__class__ = _Package
 from optremat.budget import InfeasibleBudget, resolve_budget  # noqa: E402 - after the class swap
 from optremat.graph import Graph, GraphError
 from optremat.regions import Region
+from optremat.sharding import DDP, FSDP
 from optremat.schedule import (InvalidSchedule, Schedule, SimResult, from_computations, from_kept, keep_all,
                                recompute_all, simulate)
 from optremat.solution import Solution
@@ -57,7 +58,9 @@ from optremat.solve import SOLVERS, solve
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDP",
     "ExtractionError",
+    "FSDP",
     "Graph",
     "GraphError",
     "InfeasibleBudget",

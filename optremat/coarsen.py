@@ -157,7 +157,7 @@ def _permute(graph: Graph, order: np.ndarray) -> Graph:
         edges=new_index[graph.edges].tolist(), backward=graph.backward[order], kind=pick(graph.kind),
         module=pick(graph.module), alias_of=np.where(alias >= 0, new_index[np.maximum(alias, 0)], -1),
         output=graph.output[order], fusible=graph.fusible[order], workspace=graph.workspace[order],
-        tensor=pick(graph.tensor),
+        tensor=pick(graph.tensor), held=graph.held[order],
     )
 
 
@@ -205,7 +205,8 @@ def _contract(fine: Graph, group: np.ndarray) -> Graph:
 
 
 def _internal_peak(fine: Graph, members: range, escapes: np.ndarray, group: np.ndarray) -> int:
-    """Most bytes of non-escaping temporaries (and op workspace) live while the group runs."""
+    """Most bytes of non-escaping temporaries (and op workspace, and what the runtime holds
+    in the member's stage) live while the group runs."""
     escaping_units = {u for m in members if escapes[m] for u in fine.units[m]}
     last_use = {m: m for m in members}
     for m in members:
@@ -219,7 +220,7 @@ def _internal_peak(fine: Graph, members: range, escapes: np.ndarray, group: np.n
             if u not in escaping_units:
                 holders[u] = holders.get(u, 0) + 1
                 live += int(fine.unit_size[u]) if holders[u] == 1 else 0
-        peak = max(peak, live + int(fine.workspace[m]))
+        peak = max(peak, live + int(fine.workspace[m]) + int(fine.held[m]))
         for p in fine.preds[m].tolist() + [m]:
             if last_use.get(p) != m:
                 continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -42,7 +42,8 @@ class Traced:
     gives, per Graph node, the forward node whose autograd node ran it in the backward
     (-1 for forward nodes and for backward ops autograd runs between nodes, such as the
     sums of gradients); a saved tensor is saved by that autograd node. `gradients`
-    names the parameters whose gradients the step returns, in order; `tangents` lists
+    names the parameters whose gradients the step returns, in order, and `gradient_nodes`
+    the Graph nodes holding them; `tangents` lists
     which tensor leaves of the output take a gradient as an input of the step (none when
     a loss function is folded in).
     """
@@ -57,6 +58,13 @@ class Traced:
     calls: tuple[tuple[tuple[str, int], ...], ...] = ()
     random: tuple[bool, ...] = ()
     mutated_buffers: tuple[str, ...] = ()
+    gradient_nodes: tuple[int, ...] = ()
+
+    def parameters(self, model: nn.Module) -> list[tuple[int, int]]:
+        """(parameter node, node holding its gradient or -1) for each of `model`'s
+        parameters: the placeholders come first, in `named_parameters` order."""
+        grads = dict(zip(self.gradients, self.gradient_nodes))
+        return [(k, grads.get(name, -1)) for k, name in enumerate(dict(model.named_parameters()))]
 
 
 _MARK = "optremat"
@@ -157,8 +165,14 @@ def trace(
     calls = tuple(_call_stack(node) if kind == "op" and not backward else ()
                   for node, kind, backward in zip(nodes, graph.kind, graph.backward.tolist()))
     random = tuple(torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) for node in nodes)
-    return Traced(gm, graph, structure["spec"], leaves, _grad_of(gm, graph), structure["gradients"],
-                  structure["tangents"], calls, random, _mutated_buffers(gm, list(params), list(buffers)))
+    index = {name: i for i, name in enumerate(graph.names)}
+    gradient_nodes = tuple(index[node.name] for node in results[len(results) - len(structure["gradients"]):])
+    grad_of = _grad_of(gm, graph)
+    graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
+                                        for m, f in zip(graph.module, grad_of)))
+    return Traced(gm, graph, structure["spec"], leaves, grad_of, structure["gradients"],
+                  structure["tangents"], calls, random, _mutated_buffers(gm, list(params), list(buffers)),
+                  gradient_nodes)
 
 
 def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor], *,

@@ -39,7 +39,9 @@ class Graph:
     """A joint forward+backward graph.
 
     `cost` is seconds per node, `size` bytes of the node's own output storage,
-    `workspace` bytes of temporaries the op allocates and frees while it runs. An alias
+    `workspace` bytes of temporaries the op allocates and frees while it runs, `held`
+    bytes the runtime holds outside the graph's tensors while the node's stage runs (a
+    data-parallel runtime's gathered parameters and unreduced gradients). An alias
     (`alias_of` >= 0: a view, an in-place result, `detach`) of size 0 holds its base's
     storage; an alias of size > 0 is a *part*: one output of a multi-output op (its base),
     holding only its own bytes of the base's storage, so each output of such an op can
@@ -60,6 +62,11 @@ class Graph:
     fusible: np.ndarray
     workspace: np.ndarray
     tensor: tuple[str, ...] = field(default=())
+    held: np.ndarray = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.held is None:
+            object.__setattr__(self, "held", _frozen(np.zeros(len(self.cost)), np.int64))
 
     @classmethod
     def build(
@@ -78,6 +85,7 @@ class Graph:
         fusible: Sequence[bool] | None = None,
         workspace: Sequence[int] | None = None,
         tensor: Sequence[str] | None = None,
+        held: Sequence[int] | None = None,
     ) -> "Graph":
         """Build and validate a graph from plain lists; omitted columns get defaults."""
         n = len(cost)
@@ -96,6 +104,7 @@ class Graph:
             fusible=_frozen(fusible if fusible is not None else [False] * n, bool),
             workspace=_frozen(workspace if workspace is not None else [0] * n, np.int64),
             tensor=tuple(tensor) if tensor is not None else ("",) * n,
+            held=_frozen(held if held is not None else [0] * n, np.int64),
         )
         graph._validate()
         return graph
@@ -105,13 +114,13 @@ class Graph:
         for name in ("names", "ops", "kind", "module", "tensor"):
             if len(getattr(self, name)) != n:
                 raise GraphError(f"column {name!r} has {len(getattr(self, name))} entries for {n} nodes")
-        for name in ("size", "backward", "alias_of", "output", "fusible", "workspace"):
+        for name in ("size", "backward", "alias_of", "output", "fusible", "workspace", "held"):
             if getattr(self, name).shape != (n,):
                 raise GraphError(f"column {name!r} has shape {getattr(self, name).shape} for {n} nodes")
         if np.any(~np.isfinite(self.cost)) or np.any(self.cost < 0):
             raise GraphError("costs must be finite and >= 0")
-        if np.any(self.size < 0) or np.any(self.workspace < 0):
-            raise GraphError("sizes and workspaces must be >= 0")
+        if np.any(self.size < 0) or np.any(self.workspace < 0) or np.any(self.held < 0):
+            raise GraphError("sizes, workspaces and held bytes must be >= 0")
         bad_kind = set(self.kind) - set(KINDS)
         if bad_kind:
             raise GraphError(f"unknown node kinds {sorted(bad_kind)}; expected one of {KINDS}")
@@ -261,7 +270,8 @@ class Graph:
         digest = hashlib.sha256()
         for column in (self.ops, self.kind, self.tensor):
             digest.update("\x1f".join(column).encode())
-        for array in (self.size, self.workspace, self.alias_of, self.output, self.backward, self.edges):
+        for array in (self.size, self.workspace, self.alias_of, self.output, self.backward, self.edges,
+                      *([self.held] if self.held.any() else [])):
             digest.update(np.ascontiguousarray(array).tobytes())
         return digest.hexdigest()[:16]
 
@@ -293,6 +303,7 @@ class Graph:
             "fusible": self.fusible.tolist(),
             "workspace": self.workspace.tolist(),
             "tensor": list(self.tensor),
+            "held": self.held.tolist(),
         }
 
     @classmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -33,6 +33,7 @@ from optremat.ilp.layout import ALIGNMENT, layout
 from optremat.order import best_order
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.schedule import Schedule, keep_all, simulate
+from optremat.sharding import DDP, FSDP, Parallel, per_rank, unit_of
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
 from optremat.solve import SOLVERS, best_heuristic, solve
 
@@ -55,6 +56,7 @@ class Plan:
     op computed at most a few times), or None when nothing is proven. `loss` says how the
     loss computed after the model was priced. An exact plan made in this process carries
     the step it was traced from (`traced`), which its runtime then runs without tracing again.
+    A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
     """
 
     graph: Graph
@@ -75,6 +77,7 @@ class Plan:
     shared: tuple[tuple[int, int], ...] = ()
     mutated_buffers: tuple[str, ...] = ()
     loss: str = ""
+    parallel: Parallel | None = None
     cached: bool = field(default=False, compare=False)
     traced: Traced | None = field(default=None, repr=False, compare=False)
 
@@ -126,6 +129,7 @@ class Plan:
             f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
             f"{counts['free']} freed early; {how}",
             f"loss: {self.loss}",
+            *([f"per rank: {self.parallel.describe()}"] if self.parallel else []),
             f"memory layout: an arena of {format_bytes(arena.arena_bytes)} (greedy by size, {arena.fragmentation:+.1%} "
             f"over the {format_bytes(arena.live_bytes)} live at most, allocations aligned to {ALIGNMENT} bytes)",
         ])
@@ -158,11 +162,12 @@ class Plan:
             raise ValueError("only native plans run at other shapes; plan the exact runtime again")
         device = _model_device(model)
         traced = trace(model, example_inputs, loss_fn or assumed_loss, device=device)
-        rmap = _region_map(traced, model, device)
+        rmap = _region_map(traced, model, device, self.parallel)
+        graph = rmap.graph
         priced = price(rmap, *kept_of(rmap, self.regions), "reprice")
-        return replace(self, graph=traced.graph, schedule=priced.lowering.schedule,
+        return replace(self, graph=graph, schedule=priced.lowering.schedule,
                        budget_bytes=priced.result.peak_bytes, predicted_peak_bytes=priced.result.peak_bytes,
-                       baseline_peak_bytes=simulate(traced.graph, keep_all(traced.graph)).peak_bytes,
+                       baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
                        predicted_overhead=priced.overhead, solver_overhead=priced.overhead,
                        loss=_loss_note(loss_fn), cached=False)
 
@@ -188,6 +193,8 @@ class Plan:
             "training": self.training,
             "runtime": self.runtime,
             "shared": [list(pair) for pair in self.shared],
+            "parallel": None if self.parallel is None else {"kind": type(self.parallel).__name__,
+                                                           **asdict(self.parallel)},
         }
 
     @classmethod
@@ -198,11 +205,12 @@ class Plan:
             raise ValueError(f"plan format version {data.get('version')} is not supported "
                              f"(this optremat reads {FORMAT_VERSION}); plan again")
         fields = {k: v for k, v in data.items() if k not in ("format", "version", "graph", "schedule", "regions",
-                                                             "shared", "mutated_buffers")}
+                                                             "shared", "mutated_buffers", "parallel")}
         return cls(graph=Graph.from_json(data["graph"]), schedule=Schedule.from_json(data["schedule"]),
                    regions=tuple(Region.from_json(r) for r in data["regions"]),
                    shared=tuple((int(k), int(p)) for k, p in data["shared"]),
-                   mutated_buffers=tuple(data["mutated_buffers"]), **fields)
+                   mutated_buffers=tuple(data["mutated_buffers"]), parallel=_parallel_of(data.get("parallel")),
+                   **fields)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as versioned JSON (atomically: a reader never sees half a plan)."""
@@ -220,7 +228,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
          deterministic: bool = False, progress: Progress | None = None, cache: str | Path | None = None,
-         runtime: str = "native", order: str = "traced") -> Plan:
+         runtime: str = "native", order: str = "traced", parallel: Parallel | None = None) -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
@@ -250,13 +258,21 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         raise ValueError(f"unknown order {order!r}; choose traced or best")
     if order == "best" and runtime != "exact":
         raise ValueError("only the exact runtime runs ops in another order than traced: use runtime='exact'")
+    if parallel is not None:
+        if not isinstance(parallel, (FSDP, DDP)):
+            raise TypeError(f"parallel must be optremat.FSDP or optremat.DDP, not {type(parallel).__name__}")
+        if runtime != "native":
+            raise ValueError("data-parallel plans run on the native runtime: FSDP and DDP wrap the model's own modules")
+        if parallel.world < 1:
+            raise ValueError(f"{type(parallel).__name__}(world=...) must name the number of ranks; inside an "
+                             "initialized process group, optremat.distributed.plan fills it in")
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     device_name = device or _model_device(model)
     folded = (loss_fn or assumed_loss) if runtime == "native" else None
     traced = trace(model, inputs, folded, cost_model=cost_model, device=device_name)
     loss = 0 if loss_fn is None or folded else loss_bytes(model, inputs, loss_fn, device=device_name)
-    graph = _with_loss(traced.graph, traced, _leaf_count(model, inputs), loss)
+    graph = _per_rank(_with_loss(traced.graph, traced, _leaf_count(model, inputs), loss), traced, model, parallel)
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
     if budget_bytes < floor:
@@ -270,16 +286,17 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         if runtime == "exact":
             found = _solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
         else:
-            found = _solve_native(_region_map(traced, model, device_name), budget_bytes, **options)
+            found = _solve_native(_region_map(traced, model, device_name, parallel), budget_bytes, **options)
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
-                       mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn, runtime))
+                       mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn, runtime), parallel=parallel)
 
     if cache is None:
         return solved()
     store = PlanCache(cache)
     key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
                     seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name), training=model.training,
-                    runtime=runtime, order=order, version=package_version())
+                    runtime=runtime, order=order, version=package_version(),
+                    parallel=None if parallel is None else parallel.describe())
     with store.locked(key):
         hit = store.get(key, time_limit, Plan.from_json)
         if hit is not None:
@@ -412,11 +429,27 @@ def _solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit
                 solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead)
 
 
-def _region_map(traced: Traced, model: nn.Module, device: str) -> RegionMap:
+def _region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel | None = None) -> RegionMap:
+    """The traced step (as one rank holds it, under `parallel`) seen as module calls;
+    under FSDP no region spans two of its units."""
+    graph = _per_rank(traced.graph, traced, model, parallel)
     sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
                  for path, module in model.named_modules() if isinstance(module, nn.Sequential)}
-    return RegionMap(traced.graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
-                     device_profile(device).dispatch_seconds)
+    unit = unit_of(graph, parallel.units) if isinstance(parallel, FSDP) else None
+    return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
+                     device_profile(device).dispatch_seconds, unit)
+
+
+def _per_rank(graph: Graph, traced: Traced, model: nn.Module, parallel: Parallel | None) -> Graph:
+    return graph if parallel is None else per_rank(graph, traced.parameters(model), parallel)
+
+
+def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
+    if data is None:
+        return None
+    kinds = {"FSDP": FSDP, "DDP": DDP}
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k != "kind"}
+    return kinds[data["kind"]](**fields)
 
 
 def _loss_note(loss_fn: Callable | None, runtime: str = "native") -> str:

@@ -87,7 +87,9 @@ class RegionMap:
     backward op the forward op whose autograd node runs it (-1 if none). `sequences`
     names the children of each nn.Sequential (by path, "" for the model itself): a run
     of consecutive children is a region too, as `checkpoint_sequential` makes them.
-    `dispatch_seconds` is the cost of a selective policy's look at one op."""
+    `dispatch_seconds` is the cost of a selective policy's look at one op. `unit`, when
+    given, names per node the FSDP unit running it: a region never spans two units, so
+    its rerun finds its parameters gathered and never gathers them again."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]
@@ -95,6 +97,7 @@ class RegionMap:
     grad_of: np.ndarray
     sequences: dict[str, tuple[str, ...]]
     dispatch_seconds: float = 0.0
+    unit: np.ndarray | None = None
 
     @cached_property
     def members(self) -> dict[Call, np.ndarray]:
@@ -123,17 +126,18 @@ class RegionMap:
 
     def structures(self) -> list[tuple[Call, ...]]:
         """Candidate region sets: every module call at one depth of the call tree, and the
-        spans of one length over every Sequential call."""
+        spans of one length over every Sequential call (less any that spans two units)."""
         depth = max((len(stack) for stack in self.calls), default=0)
         found = []
         for d in range(depth):
-            calls = tuple(dict.fromkeys(stack[d] for stack in self.calls if len(stack) > d))
+            calls = tuple(call for call in dict.fromkeys(stack[d] for stack in self.calls if len(stack) > d)
+                          if self._within_a_unit(call))
             if calls and calls not in found:
                 found.append(calls)
         by_length: dict[int, list[Call]] = {}
         for call in self.members:
             span = parse_span(call[0])
-            if span is None:
+            if span is None or not self._within_a_unit(call):
                 continue
             path, a, b = span
             for length, tiling in _tilings(len(self.sequences[path])).items():
@@ -142,6 +146,9 @@ class RegionMap:
         for length in sorted(by_length):
             found.append(tuple(sorted(by_length[length], key=lambda c: int(self.members[c][0]))))
         return found
+
+    def _within_a_unit(self, call: Call) -> bool:
+        return self.unit is None or len(set(self.unit[self.members[call]].tolist())) == 1
 
     def keys(self, call: Call) -> dict[int, tuple[str, int]]:
         """Each op of a call keyed as a selective policy counts it: (op, occurrence)."""

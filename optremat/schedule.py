@@ -15,7 +15,9 @@ stage it is not used in is freed at the start of that stage. Nodes hold storage 
 own part. Each computation of a node that owns storage allocates fresh units; a unit
 counts once however many live nodes hold it, so a base recomputed while an alias still
 holds its old storage costs twice. Parameters and inputs are resident from the start;
-outputs (loss, gradients) are never freed: they are the step's result.
+outputs (loss, gradients) are never freed: they are the step's result. Bytes the runtime
+holds outside the graph's tensors during a stage (`Graph.held`) count at every
+computation of that stage.
 """
 
 from __future__ import annotations
@@ -223,6 +225,7 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
     alias_of = graph.alias_of.tolist()
     is_part = graph.is_part.tolist()
     workspace = graph.workspace.tolist()
+    held = graph.held.tolist()
     resident = graph.pinned | graph.output
     storage: list[dict[int, int]] = [{} for _ in range(n)]
     holders: list[int] = []
@@ -307,7 +310,7 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
             live_until[k] = u
             if u > s:
                 expiring[u].append(k)
-            curve[lo + pos] = state["bytes"] + workspace[k]
+            curve[lo + pos] = state["bytes"] + workspace[k] + held[s]
             state["at"] = lo + pos + 1
             if allocations and workspace[k]:
                 closed.append((workspace[k], lo + pos, lo + pos + 1))

@@ -12,14 +12,15 @@ import networkx as nx
 PACKAGE = Path(__file__).resolve().parent.parent / "optremat"
 
 LAYERS = (
-    {"graph", "published", "synthetic", "schedule", "solution", "budget", "coarsen", "order"},
+    {"graph", "published", "synthetic", "schedule", "solution", "budget", "coarsen", "order", "sharding"},
     {"heuristics", "ilp", "solve", "batch", "regions"},
     {"costs", "extract", "fingerprint", "models", "cache", "plan"},
-    {"runtime", "compiler"},
+    {"runtime", "compiler", "distributed"},
     {"bench", "cli", "plots"},
 )
 """Bottom to top: the graph IR and its simulation; the planners; plans (tracing models,
-budgets, the cache); what runs plans (eagerly, or as torch.compile's partition); the command line and benchmark front ends. A module
+budgets, the cache); what runs plans (eagerly, as torch.compile's partition, or on every
+rank of a data-parallel job); the command line and benchmark front ends. A module
 imports from its own layer or the ones below."""
 
 TORCH_FREE = 2

@@ -13,8 +13,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch._C._autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_leaves
+
+
+_STEP = "optremat.measured_step"
 
 
 @dataclass(frozen=True)
@@ -39,29 +42,41 @@ def resident_bytes(values: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
-def measure_peak(step: Callable[[], Any], resident: Iterable[Any] = (), device: str = "cpu") -> PeakMemory:
+def measure_peak(step: Callable[[], Any], resident: Iterable[Any] = (), device: str = "cpu",
+                 setup: Callable[[], Any] | None = None) -> PeakMemory:
     """Run `step` once and report its peak memory.
 
     `resident` lists what is alive before the step and counted in the peak (parameters,
-    inputs); the step's own allocations are measured.
+    inputs); the step's own allocations are measured. `setup`, run first, is measured
+    too: what it allocates and keeps (DDP's buckets, a warm-up step's gradients) counts
+    as live during the step, its own passing peak does not.
     """
     before = resident_bytes(resident)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
+        if setup is not None:
+            setup()
+            torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
         return PeakMemory(before, torch.cuda.max_memory_allocated() - base)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+        if setup is not None:
+            setup()
+        with record_function(_STEP):
+            step()
     records = prof.profiler.kineto_results.events()
     deltas = sorted((e.start_ns(), e.nbytes()) for e in records
                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
-    live = peak = 0
-    for _, delta in deltas:
-        live += delta
-        peak = max(peak, live)
+    start, end = next(((e.start_ns(), e.end_ns()) for e in records if e.name() == _STEP), (0, 0))
+    kept = sum(delta for at, delta in deltas if at < start)
+    live = peak = kept
+    for at, delta in deltas:
+        if start <= at <= end or not end:
+            live += delta
+            peak = max(peak, live)
     return PeakMemory(before, peak)
 
 

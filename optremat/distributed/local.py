@@ -1,0 +1,39 @@
+"""Run a function on several local processes joined in a gloo process group."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_local(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """`fn(*args)` on `world` new processes in one process group; their results in rank
+    order. `fn` must be importable (a module-level function); an exception on any rank
+    fails the whole run with that rank's traceback."""
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_rank, args=(world, _free_port(), backend, directory, fn, args), nprocs=world, join=True)
+        return [pickle.loads((Path(directory) / f"{rank}.pickle").read_bytes()) for rank in range(world)]
+
+
+def _rank(rank: int, world: int, port: int, backend: str, directory: str, fn: Callable[..., Any],
+          args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = fn(*args)
+        (Path(directory) / f"{rank}.pickle").write_bytes(pickle.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
