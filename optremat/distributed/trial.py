@@ -43,33 +43,23 @@ class RankStep:
 
 
 def rank_step(model_name: str, batch: int, budget: float | int | str, parallel: Parallel, rounds: int = 0,
-              time_limit: float = 10.0) -> RankStep:
+              time_limit: float = 5.0) -> RankStep:
     """On each rank of a running process group: `model_name` (built-in) at `batch` samples
     per rank (this rank's slice of one batch of world * batch), planned for `budget` per
-    rank, applied, wrapped, and stepped once under measurement. For DDP the measured step
-    includes wrapping (DDP allocates its buckets then), for FSDP it follows a warm-up step.
+    rank, applied, wrapped, and stepped once under measurement after warm-up steps (the
+    last of them measured too, so the gradients it leaves count until the step frees them).
     With `rounds`, planned and unplanned steps then alternate that many times."""
     rank, world = dist.get_rank(), dist.get_world_size()
     example = _slice(build(model_name, batch=world * batch), rank, world)
     model = example.model
-    made = plan(model, example.inputs, budget, parallel, loss_fn=example.loss_fn, time_limit=time_limit,
-                deterministic=True)
+    made = plan(model, example.inputs, budget, parallel, loss_fn=example.loss_fn, time_limit=time_limit)
     step = _step(example)
     apply(model, made)
-    holder: list[nn.Module] = []
-
-    def setup() -> None:
-        holder.append(wrap(model, made.parallel))
-        for _ in range(WARM_UP):
-            step(holder[0])
-
-    if isinstance(made.parallel, DDP):
-        peak = measure_peak(lambda: step(holder[0]), resident=[_local(model), example.inputs], setup=setup)
-    else:
-        setup()
-        peak = measure_peak(lambda: step(holder[0]), resident=[_local(model), example.inputs],
-                            setup=lambda: step(holder[0]))
-    wrapped = holder[0]
+    wrapped = wrap(model, made.parallel)
+    for _ in range(WARM_UP):
+        step(wrapped)
+    resident = [_local(model), example.inputs, _buckets(wrapped)]
+    peak = measure_peak(lambda: step(wrapped), resident=resident, setup=lambda: step(wrapped))
     gradients = _gradients(model)
     ratios = _ratios(wrapped, model_name, batch, made.parallel, example, step, rounds) if rounds else ()
     return RankStep(rank, made.budget_bytes, made.predicted_peak_bytes, peak.peak_bytes, made.predicted_overhead,
@@ -98,6 +88,14 @@ def _local(model: nn.Module) -> list[torch.Tensor]:
     """This rank's own storage of the parameters and buffers (FSDP's local shards)."""
     tensors = list(model.parameters()) + list(model.buffers())
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def _buckets(wrapped: nn.Module) -> list[torch.Tensor]:
+    """Tensors as large as DDP's gradient buckets (none for FSDP). DDP allocates them when
+    it wraps the model, and gloo frees its broadcast of the parameters then on a thread the
+    profiler does not see, so the buckets are counted as resident from DDP's own list."""
+    reducer = getattr(wrapped, "reducer", None)
+    return [] if reducer is None else [bucket.buffer() for bucket in reducer._get_zeros_like_grad_buckets()]
 
 
 def _gradients(model: nn.Module) -> dict[str, np.ndarray]:
@@ -139,6 +137,7 @@ def gradients_of(model_name: str, batch: int) -> dict[str, np.ndarray]:
     return {name: p.grad.detach().numpy().copy() for name, p in example.model.named_parameters()}
 
 
-def run(model_name: str, batch: int, budget: Any, parallel: Parallel, world: int, rounds: int = 0) -> list[RankStep]:
+def run(model_name: str, batch: int, budget: Any, parallel: Parallel, world: int, rounds: int = 0,
+        time_limit: float = 5.0) -> list[RankStep]:
     """`rank_step` on `world` local ranks."""
-    return run_local(rank_step, world, model_name, batch, budget, parallel, rounds)
+    return run_local(rank_step, world, model_name, batch, budget, parallel, rounds, time_limit)
