@@ -14,7 +14,7 @@ from typing import Any
 
 _ON_FIRST_USE = {
     "ExtractionError": "optremat.extract", "extract": "optremat.extract",
-    "Plan": "optremat.plan", "plan": "optremat.plan",
+    "Plan": "optremat.plan", "plan": "optremat.plan", "price_regions": "optremat.plan",
     "Planned": "optremat.runtime.apply", "apply": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
     "PlanMismatch": "optremat.runtime.native",
     "compile_backend": "optremat.compiler.backend", "KnapsackSolver": "optremat.compiler.knapsack",
@@ -81,6 +81,7 @@ __all__ = [
     "from_kept",
     "keep_all",
     "plan",
+    "price_regions",
     "recompute_all",
     "remove",
     "resolve_budget",

@@ -160,16 +160,11 @@ class Plan:
         with the peak and overhead they have there (the budget becomes that peak)."""
         if self.runtime != "native":
             raise ValueError("only native plans run at other shapes; plan the exact runtime again")
-        device = _model_device(model)
-        traced = trace(model, example_inputs, loss_fn or assumed_loss, device=device)
-        rmap = _region_map(traced, model, device, self.parallel)
-        graph = rmap.graph
-        priced = price(rmap, *kept_of(rmap, self.regions), "reprice")
-        return replace(self, graph=graph, schedule=priced.lowering.schedule,
-                       budget_bytes=priced.result.peak_bytes, predicted_peak_bytes=priced.result.peak_bytes,
-                       baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
-                       predicted_overhead=priced.overhead, solver_overhead=priced.overhead,
-                       loss=_loss_note(loss_fn), cached=False)
+        priced = price_regions(model, example_inputs, self.regions, loss_fn=loss_fn, parallel=self.parallel)
+        return replace(self, graph=priced.graph, schedule=priced.schedule, budget_bytes=priced.budget_bytes,
+                       predicted_peak_bytes=priced.predicted_peak_bytes, baseline_peak_bytes=priced.baseline_peak_bytes,
+                       predicted_overhead=priced.predicted_overhead, solver_overhead=priced.solver_overhead,
+                       loss=priced.loss, cached=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -304,6 +299,31 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         result = solved()
         store.put(key, result.to_json(), time_limit)
         return result
+
+
+def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions: Sequence[Region], *,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None, cost_model: str = "roofline",
+                  device: str | None = None, parallel: Parallel | None = None) -> Plan:
+    """The native plan that checkpoints exactly `regions`, priced as `plan` prices its own
+    (its budget is its peak): per-block checkpointing is one Region per block call saving
+    nothing, so other planners' choices are compared on the same simulator."""
+    device_name = device or _model_device(model)
+    traced = trace(model, example_inputs, loss_fn or assumed_loss, cost_model=cost_model, device=device_name)
+    rmap = _region_map(traced, model, device_name, parallel)
+    missing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) not in rmap.members]
+    if missing:
+        raise ValueError(f"no module call {', '.join(missing)} in {type(model).__name__}'s step")
+    started = time.perf_counter()
+    priced = price(rmap, *kept_of(rmap, regions), "given")
+    graph = rmap.graph
+    return Plan(graph=graph, schedule=priced.lowering.schedule, regions=priced.lowering.regions,
+                model_fingerprint=model_fingerprint(model), budget_bytes=priced.result.peak_bytes,
+                predicted_peak_bytes=priced.result.peak_bytes,
+                baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
+                predicted_overhead=priced.overhead, solver="given", status=HEURISTIC, lower_bound=None,
+                solve_seconds=time.perf_counter() - started, solver_overhead=priced.overhead,
+                training=model.training, mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn),
+                parallel=parallel)
 
 
 def _relative(progress: Progress, total: float) -> Progress:

@@ -254,7 +254,8 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
 def _region(rmap: RegionMap, call: Call, kept: np.ndarray) -> tuple[int, int, list[int], list[int]] | None:
     """(recompute stage, last op whose autograd node saves a tensor, ops saved, nodes
     recomputed) of one region, or None when the
-    region runs plainly: nothing it would recompute is read by the backward, its rerun
+    region runs plainly: `kept` stores every tensor of it the backward reads, nothing it
+    would recompute is read by the backward, its rerun
     would write over a tensor from outside it, its autograd nodes save nothing, or an
     output the backward reads after the region cannot be saved (the rerun would make a
     second copy of a tensor that is still live). Only ops a selective policy sees (those
@@ -263,7 +264,7 @@ def _region(rmap: RegionMap, call: Call, kept: np.ndarray) -> tuple[int, int, li
     nodes = rmap.members[call].tolist()
     inside = set(nodes)
     packers = [v for v in nodes if facts.unpacks[v]]
-    if not packers:
+    if not packers or all(kept[v] for v in nodes if facts.backward_reads[v]):
         return None
     last = max(packers)
     if any(facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside
@@ -362,7 +363,8 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
     tree): the solver's keep set and keeping everything, each less the shortest prefix of
     the benefit order that fits; checkpointing the first k regions whole (the smallest k
     that fits); and that plan, and every region checkpointed, with the most
-    expensive-to-recompute ops saved again while it still fits."""
+    expensive-to-recompute ops saved again while it still fits. The first k regions are
+    those that free the most memory per second of recomputation."""
     graph = rmap.graph
     order = drop_order(graph)
     found = []
@@ -376,7 +378,8 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
             drops = [v for v in order.tolist() if start[v] and inside[v]]
             found.append(_shortest(lambda k: _dropping(rmap, structure, start, drops[:k], label),
                                    len(drops), budget))
-        whole = _shortest(lambda k: _whole(rmap, structure, k), len(structure), budget)
+        ranked = _by_yield(rmap, structure)
+        whole = _shortest(lambda k: _whole(rmap, ranked, k), len(ranked), budget)
         found.append(whole)
         for start in (whole, _whole(rmap, structure, len(structure))):
             found.append(_saved_again(rmap, structure, inside, start, budget))
@@ -399,6 +402,19 @@ def _dropping(rmap: RegionMap, structure: Sequence[Call], start: np.ndarray, dro
     kept = start.copy()
     kept[drops] = False
     return price(rmap, structure, kept, label)
+
+
+def _by_yield(rmap: RegionMap, structure: Sequence[Call]) -> list[Call]:
+    """The calls of `structure`, those that free the most bytes the backward reads per
+    second of recomputation first (ties in run order)."""
+    graph, reads = rmap.graph, rmap.facts.backward_reads
+
+    def freed_per_second(call: Call) -> float:
+        members = rmap.members[call]
+        freed = sum(int(graph.size[v]) for v in members.tolist() if reads[v])
+        return freed / max(float(graph.cost[members].sum()), 1e-12)
+
+    return sorted(structure, key=lambda call: (-freed_per_second(call), int(rmap.members[call][0])))
 
 
 def _whole(rmap: RegionMap, structure: Sequence[Call], count: int) -> Priced:

@@ -11,7 +11,8 @@ root, whose parameters stay gathered from its forward to the end of its backward
 - a unit's gathered parameters are held from its first forward op to its last (or,
   without `reshard_after_forward`, to the end of its backward), and again in the
   backward from the moment the unit after it in forward order starts its backward (FSDP2
-  prefetches one unit ahead) to the unit's last backward op; gathering needs a flat
+  prefetches one unit ahead; the root starts when the first backward op inside the model
+  runs, after the loss's backward) to the unit's last backward op; gathering needs a flat
   buffer of the padded size beside them;
 - autograd writes each gradient at full size; it stays until the unit's last backward op,
   when a flat reduce-scatter input of the padded size takes it in and the gradient's
@@ -140,7 +141,8 @@ def _fsdp(graph: Graph, parameters: Sequence[tuple[int, int]], parallel: FSDP) -
         if g >= 0:
             _shrink_gradient(graph, size, held, g, shard, _last(backward_of.get(u), n - 1) if u != root else n - 1)
     held += int(parallel.optimizer_state * state)
-    first_backward = int(np.argmax(graph.backward)) if graph.backward.any() else n
+    in_model = graph.backward & np.array([bool(m) for m in graph.module])
+    root_backward = _first(stages[in_model] if in_model.any() else stages[graph.backward], n)
     held[:] += gathered[root]
     first_op = int(np.argmax(ops)) if ops.any() else 0
     held[first_op] += flat[root]
@@ -148,7 +150,7 @@ def _fsdp(graph: Graph, parameters: Sequence[tuple[int, int]], parallel: FSDP) -
     order.append(root)
     for i, u in enumerate(order[:-1]):
         f0, f1 = int(forward_of[u][0]), int(forward_of[u][-1])
-        b0 = _first(backward_of.get(order[i + 1]), first_backward) if order[i + 1] != root else first_backward
+        b0 = _first(backward_of.get(order[i + 1]), root_backward) if order[i + 1] != root else root_backward
         b1 = _last(backward_of.get(u), b0)
         held[f0:(f1 if parallel.reshard_after_forward else b1) + 1] += gathered[u]
         held[f0] += flat[u]

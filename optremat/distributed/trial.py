@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from optremat.distributed.agree import plan
 from optremat.distributed.local import run_local
-from optremat.distributed.wrap import wrap
+from optremat.distributed.wrap import held_by_rank, wrap
 from optremat.models import CrossEntropy, Example, build
 from optremat.runtime.apply import apply
 from optremat.runtime.measure import measure_peak
@@ -58,8 +58,8 @@ def rank_step(model_name: str, batch: int, budget: float | int | str, parallel: 
     wrapped = wrap(model, made.parallel)
     for _ in range(WARM_UP):
         step(wrapped)
-    resident = [_local(model), example.inputs, _buckets(wrapped)]
-    peak = measure_peak(lambda: step(wrapped), resident=resident, setup=lambda: step(wrapped))
+    peak = measure_peak(lambda: step(wrapped), resident=[held_by_rank(model, wrapped), example.inputs],
+                        setup=lambda: step(wrapped))
     gradients = _gradients(model)
     ratios = _ratios(wrapped, model_name, batch, made.parallel, example, step, rounds) if rounds else ()
     return RankStep(rank, made.budget_bytes, made.predicted_peak_bytes, peak.peak_bytes, made.predicted_overhead,
@@ -84,20 +84,6 @@ def _step(example: Example) -> Callable[[nn.Module], None]:
     return step
 
 
-def _local(model: nn.Module) -> list[torch.Tensor]:
-    """This rank's own storage of the parameters and buffers (FSDP's local shards)."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-
-
-def _buckets(wrapped: nn.Module) -> list[torch.Tensor]:
-    """Tensors as large as DDP's gradient buckets (none for FSDP). DDP allocates them when
-    it wraps the model, and gloo frees its broadcast of the parameters then on a thread the
-    profiler does not see, so the buckets are counted as resident from DDP's own list."""
-    reducer = getattr(wrapped, "reducer", None)
-    return [] if reducer is None else [bucket.buffer() for bucket in reducer._get_zeros_like_grad_buckets()]
-
-
 def _gradients(model: nn.Module) -> dict[str, np.ndarray]:
     """Every parameter's whole gradient (gathered from the shards under FSDP): every rank
     must call this, as it is a collective."""
@@ -110,23 +96,24 @@ def _gradients(model: nn.Module) -> dict[str, np.ndarray]:
 
 def _ratios(wrapped: nn.Module, model_name: str, batch: int, parallel: Parallel, example: Example,
             step: Callable[[nn.Module], None], rounds: int) -> tuple[float, ...]:
-    """Planned over unplanned step time in `rounds` alternating rounds (the same model and
-    inputs, wrapped the same way, without the plan)."""
+    """Planned over unplanned step time in `rounds` rounds (the same model and inputs,
+    wrapped the same way, without the plan), which of the two runs first alternating."""
     rank, world = dist.get_rank(), dist.get_world_size()
     plain = _slice(build(model_name, batch=world * batch), rank, world)
     unplanned = wrap(plain.model, parallel)
     plain_step = _step(plain)
     plain_step(unplanned)
+    runs = {"planned": lambda: step(wrapped), "unplanned": lambda: plain_step(unplanned)}
     out = []
-    for _ in range(rounds):
-        seconds = []
-        for run in ((lambda: step(wrapped)), (lambda: plain_step(unplanned))):
+    for k in range(rounds):
+        seconds = {}
+        for name in sorted(runs, reverse=bool(k % 2)):
             dist.barrier()
             started = time.perf_counter()
-            run()
+            runs[name]()
             dist.barrier()
-            seconds.append(time.perf_counter() - started)
-        out.append(seconds[0] / seconds[1])
+            seconds[name] = time.perf_counter() - started
+        out.append(seconds["planned"] / seconds["unplanned"])
     return tuple(out)
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -28,3 +29,17 @@ def wrap(model: nn.Module, parallel: Parallel, **kwargs: Any) -> nn.Module:
     if kwargs.get("gradient_as_bucket_view"):
         raise ValueError("the plan prices DDP's buckets as a copy of the gradients: leave gradient_as_bucket_view off")
     return DistributedDataParallel(model, **kwargs)
+
+
+def held_by_rank(model: nn.Module, wrapped: nn.Module, *more: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """What a rank keeps between steps, as tensors to measure a step's peak on top of: its
+    shards of `model`'s parameters and buffers (the tensors themselves without FSDP),
+    tensors as large as DDP's gradient buckets, and the tensors in `more` (optimizer
+    state), each by its local shard. DDP's buckets come from its own list: it allocates
+    them when it wraps the model, where gloo frees its broadcast of the parameters on a
+    thread the profiler does not see, so they cannot be measured as allocations."""
+    tensors = [*model.parameters(), *model.buffers(), *(t for group in more for t in group)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if isinstance(t, torch.Tensor)]
+    reducer = getattr(wrapped, "reducer", None)
+    buckets = [] if reducer is None else [bucket.buffer() for bucket in reducer._get_zeros_like_grad_buckets()]
+    return local + buckets
