@@ -19,6 +19,11 @@ priced by the H100 roofline. Per-block checkpointing (every decoder layer checkp
 whole, as HF's `gradient_checkpointing_enable()` and torchtitan's full AC do) is priced
 by the same simulator, and optremat is planned with its peak as the budget, and at
 budgets between that and the unplanned peak.
+
+The simulated rows are predictions: no GPU ran them, and the GPU effects the model leaves
+out (CUDA streams holding freed buffers, FSDP2's forward prefetch) would add to them. The
+measured overheads come from the CPU, where the roofline cost model prices
+recomputation below what it takes.
 """
 
 from __future__ import annotations
@@ -135,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     sections = [f"# Data-parallel plans\n\nMachine: {machine()}. Regenerate with `python -m benchmarks.distributed`"
-                f" (--rounds {args.rounds} --limit {args.limit:g}).\n", __doc__.split("\n\n", 2)[2]]
+                f" (--rounds {args.rounds} --limit {args.limit:g}).", __doc__.split("\n\n", 2)[2].strip()]
     if not args.skip_measured:
         rows = measured(args.rounds, args.limit)
         sections.append("## Measured: gpt-mini on 2 gloo ranks\n\n" + table(

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -20,7 +19,7 @@ from optremat.distributed.wrap import held_by_rank, wrap
 from optremat.models import CrossEntropy, Example, build
 from optremat.runtime.apply import apply
 from optremat.runtime.measure import measure_peak
-from optremat.sharding import DDP, Parallel
+from optremat.sharding import Parallel
 
 
 WARM_UP = 2
