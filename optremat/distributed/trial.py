@@ -26,6 +26,11 @@ WARM_UP = 2
 """Steps before the measured one: DDP rebuilds its buckets in the second step's forward."""
 
 
+MEASURED = 5
+"""Measurements of the step, of which the least is reported: a buffer a collective frees
+on gloo's own thread is never seen freed by the profiler, which can only overstate a peak."""
+
+
 @dataclass(frozen=True)
 class RankStep:
     """What one rank saw. `gradients` (rank 0 only) are the whole model's after the
@@ -57,8 +62,8 @@ def rank_step(model_name: str, batch: int, budget: float | int | str, parallel: 
     wrapped = wrap(model, made.parallel)
     for _ in range(WARM_UP):
         step(wrapped)
-    peak = measure_peak(lambda: step(wrapped), resident=[held_by_rank(model, wrapped), example.inputs],
-                        setup=lambda: step(wrapped))
+    peak = min((measure_peak(lambda: step(wrapped), resident=[held_by_rank(model, wrapped), example.inputs],
+                             setup=lambda: step(wrapped)) for _ in range(MEASURED)), key=lambda m: m.peak_bytes)
     gradients = _gradients(model)
     ratios = _ratios(wrapped, model_name, batch, made.parallel, example, step, rounds) if rounds else ()
     return RankStep(rank, made.budget_bytes, made.predicted_peak_bytes, peak.peak_bytes, made.predicted_overhead,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
-from torch._C._autograd import DeviceType
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_leaves
 
@@ -67,17 +67,35 @@ def measure_peak(step: Callable[[], Any], resident: Iterable[Any] = (), device: 
             setup()
         with record_function(_STEP):
             step()
-    records = prof.profiler.kineto_results.events()
-    deltas = sorted((e.start_ns(), e.nbytes()) for e in records
-                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
-    start, end = next(((e.start_ns(), e.end_ns()) for e in records if e.name() == _STEP), (0, 0))
-    kept = sum(delta for at, delta in deltas if at < start)
-    live = peak = kept
-    for at, delta in deltas:
-        if start <= at <= end or not end:
-            live += delta
-            peak = max(peak, live)
-    return PeakMemory(before, peak)
+    return PeakMemory(before, _window_peak(prof.profiler.kineto_results.experimental_event_tree()))
+
+
+def _window_peak(roots: list[Any]) -> int:
+    """Most bytes live during the measured step: allocations made while profiling, matched
+    to their frees by address. A free of memory allocated before profiling is ignored (it
+    was never counted), and an allocation at an address still live closes the block that
+    held it, whose free the profiler missed (a free on a thread it does not watch)."""
+    events, start, end = [], 0, 0
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name == _STEP:
+            start, end = node.start_time_ns, node.end_time_ns
+    live: dict[int, int] = {}
+    total = peak = 0
+    for at, ptr, size in sorted(events):
+        total -= live.pop(ptr, 0)
+        if size > 0:
+            live[ptr] = size
+            total += size
+        if at < start:
+            peak = total
+        elif at <= end or not end:
+            peak = max(peak, total)
+    return peak
 
 
 def measure_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor],
