@@ -69,6 +69,9 @@ class DDP:
 
 Parallel = FSDP | DDP
 
+ROOT = 0
+"""The root unit's index in `unit_of`: the model itself, gathered for the whole step."""
+
 
 def per_rank(graph: Graph, parameters: Sequence[tuple[int, int]], parallel: Parallel) -> Graph:
     """`graph` as one rank of `parallel` holds it; `parameters` lists (parameter node,
@@ -91,7 +94,7 @@ def matcher(units: Sequence[str]) -> Callable[[str], bool]:
 
 
 def unit_of(graph: Graph, units: Sequence[str]) -> np.ndarray:
-    """Per node, the FSDP unit that runs it: 0 for the root, else 1 + the index (in order
+    """Per node, the FSDP unit that runs it: ROOT (0) for the root, else 1 + the index (in order
     of first appearance) of the innermost module matching a pattern of `units` among the
     node's module and the modules enclosing it."""
     is_unit = matcher(units)
@@ -119,46 +122,39 @@ def shard_bytes(graph: Graph, node: int, world: int) -> int:
 
 
 def _fsdp(graph: Graph, parameters: Sequence[tuple[int, int]], parallel: FSDP) -> Graph:
-    n, world = graph.n, parallel.world
+    n = graph.n
     unit = unit_of(graph, parallel.units)
-    root = 0
-    size = graph.size.copy()
-    held = graph.held.astype(np.int64).copy()
-    ops = ~graph.pinned
     stages = np.arange(n)
+    ops = ~graph.pinned
     forward_of = {u: stages[ops & ~graph.backward & (unit == u)] for u in set(unit[ops].tolist())}
     backward_of = {u: stages[graph.backward & (unit == u)] for u in set(unit[ops].tolist())}
+    reduced = {u: n - 1 if u == ROOT else _last(backward_of[u], n - 1) for u in backward_of}
+    size, held = graph.size.copy(), graph.held.astype(np.int64).copy()
     gathered = np.zeros(int(unit.max()) + 1, dtype=np.int64)
     flat = np.zeros_like(gathered)
-    state = 0
     for p, g in parameters:
-        u = int(unit[p])
-        shard = shard_bytes(graph, p, world)
+        u, shard = int(unit[p]), shard_bytes(graph, p, parallel.world)
         gathered[u] += int(graph.size[p])
-        flat[u] += shard * world
-        state += shard
+        flat[u] += shard * parallel.world
         size[p] = shard
+        held += int(parallel.optimizer_state * shard)
         if g >= 0:
-            _shrink_gradient(graph, size, held, g, shard, _last(backward_of.get(u), n - 1) if u != root else n - 1)
-    held += int(parallel.optimizer_state * state)
+            _shrink_gradient(graph, size, held, g, shard, reduced.get(u, n - 1))
     in_model = graph.backward & np.array([bool(m) for m in graph.module])
     root_backward = _first(stages[in_model] if in_model.any() else stages[graph.backward], n)
-    held[:] += gathered[root]
-    first_op = int(np.argmax(ops)) if ops.any() else 0
-    held[first_op] += flat[root]
-    order = sorted((u for u in forward_of if u != root and len(forward_of[u])), key=lambda u: forward_of[u][-1])
-    order.append(root)
-    for i, u in enumerate(order[:-1]):
+    held += gathered[ROOT]
+    held[_first(stages[ops], 0)] += flat[ROOT]
+    order = sorted((u for u in forward_of if u != ROOT and len(forward_of[u])), key=lambda u: forward_of[u][-1])
+    for u, after in zip(order, order[1:] + [ROOT]):
         f0, f1 = int(forward_of[u][0]), int(forward_of[u][-1])
-        b0 = _first(backward_of.get(order[i + 1]), root_backward) if order[i + 1] != root else root_backward
+        b0 = root_backward if after == ROOT else _first(backward_of.get(after), root_backward)
         b1 = _last(backward_of.get(u), b0)
         held[f0:(f1 if parallel.reshard_after_forward else b1) + 1] += gathered[u]
         held[f0] += flat[u]
         if parallel.reshard_after_forward:
             held[b0:b1 + 1] += gathered[u]
             held[b0] += flat[u]
-    _reduce_scatter_inputs(held, [(n - 1 if u == root else _last(backward_of.get(u), n - 1), int(flat[u]))
-                                  for u in order])
+    _reduce_scatter_inputs(held, [(reduced.get(u, n - 1), int(flat[u])) for u in order + [ROOT]])
     return replace(graph, size=_frozen(size), held=_frozen(held))
 
 
