@@ -120,7 +120,7 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
                   workers=args.workers, seed=args.seed, deterministic=args.deterministic, runtime=args.runtime,
                   order=args.order,
                   progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None,
-                  cache=args.cache)
+                  cache=args.cache, parallel=_parallel(args))
     if args.save:
         result.save(args.save)
     if args.json:
@@ -131,6 +131,24 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     if args.save:
         print(f"plan written to {args.save}")
     return 0
+
+
+def _parallel(args: argparse.Namespace) -> Any:
+    """The data-parallel job whose one rank `--fsdp` or `--ddp` (with `--world`) plans, or None."""
+    from optremat.sharding import DDP, FSDP
+
+    if args.fsdp is None and not args.ddp:
+        if args.world is not None:
+            raise ValueError("--world needs --fsdp UNITS or --ddp")
+        return None
+    if args.fsdp is not None and args.ddp:
+        raise ValueError("choose one of --fsdp and --ddp")
+    if args.world is None:
+        raise ValueError("--fsdp and --ddp need --world, the number of ranks")
+    if args.ddp:
+        return DDP(world=args.world, optimizer_state=args.optimizer_state)
+    units = tuple(u.strip() for u in args.fsdp.split(",") if u.strip())
+    return FSDP(units=units, world=args.world, optimizer_state=args.optimizer_state)
 
 
 def _plan_report(source: str, result: Any) -> dict[str, Any]:
@@ -348,6 +366,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--share", action="store_true",
                       help="with --graph, let pointwise ops write over an input they are the last to hold")
     plan.set_defaults(run=_plan_command)
+    plan.add_argument("--fsdp", metavar="UNITS", help="plan one rank of FSDP2 with fully_shard on the modules "
+                      "matching these comma-separated paths (`*` is one path component, as in 'blocks.*'), then the model")
+    plan.add_argument("--ddp", action="store_true", help="plan one rank of DDP")
+    plan.add_argument("--world", type=int, help="ranks of the --fsdp or --ddp job (the budget is per rank)")
+    plan.add_argument("--optimizer-state", type=float, default=0.0,
+                      help="optimizer state bytes per parameter byte held by each rank (2 for AdamW)")
     show = commands.add_parser("show", help="summarise a saved plan and explain its largest decisions")
     show.add_argument("plan", help="a plan written by `optremat plan --model ... --save`")
     show.add_argument("--plot", help="write memory over the step (planned vs unplanned) to this image")

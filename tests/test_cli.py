@@ -157,3 +157,17 @@ def test_plan_a_model_from_a_python_file(tmp_path):
     assert data["peak_bytes"] <= data["budget_bytes"] < data["unplanned_peak_bytes"]
     missing = run("plan", "--model", f"{source}:nothing", "--budget", "0.8")
     assert missing.returncode == 2 and "defines no function 'nothing'" in missing.stderr
+
+
+def test_plan_one_rank_of_a_data_parallel_job(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    result = run("plan", "--model", "gpt-tiny", "--budget", "0.9", "--time-limit", "2", "--fsdp", "blocks.*",
+                 "--world", "8", "--optimizer-state", "2", "--save", str(plan_file))
+    assert result.returncode == 0, result.stderr
+    assert "per rank: FSDP2 over 8 ranks, units blocks.*" in result.stdout
+    shown = run("show", str(plan_file))
+    assert "per rank: FSDP2 over 8 ranks" in shown.stdout
+    for bad, says in ((["--world", "8"], "--world needs"), (["--ddp"], "need --world"),
+                      (["--ddp", "--fsdp", "blocks.*", "--world", "2"], "one of --fsdp and --ddp")):
+        refused = run("plan", "--model", "gpt-tiny", "--budget", "0.9", *bad)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
