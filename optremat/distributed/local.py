@@ -9,12 +9,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
 def run_local(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
-    """`fn(*args)` on `world` new processes in one process group; their results in rank
+    """`fn(*args)` on `world` new processes in one process group, each with its share of
+    the CPU cores for its threads (as torchrun sets OMP_NUM_THREADS), and their results in rank
     order. `fn` must be importable (a module-level function); an exception on any rank
     fails the whole run with that rank's traceback."""
     with tempfile.TemporaryDirectory() as directory:
@@ -25,6 +27,7 @@ def run_local(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gl
 def _rank(rank: int, world: int, port: int, backend: str, directory: str, fn: Callable[..., Any],
           args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(*args)

@@ -31,6 +31,10 @@ MEASURED = 5
 on gloo's own thread is never seen freed by the profiler, which can only overstate a peak."""
 
 
+STEPS_TIMED = 3
+"""Consecutive steps in one timing: a single CPU step of a small model is mostly noise."""
+
+
 @dataclass(frozen=True)
 class RankStep:
     """What one rank saw. `gradients` (rank 0 only) are the whole model's after the
@@ -101,7 +105,8 @@ def _gradients(model: nn.Module) -> dict[str, np.ndarray]:
 def _ratios(wrapped: nn.Module, model_name: str, batch: int, parallel: Parallel, example: Example,
             step: Callable[[nn.Module], None], rounds: int) -> tuple[float, ...]:
     """Planned over unplanned step time in `rounds` rounds (the same model and inputs,
-    wrapped the same way, without the plan), which of the two runs first alternating."""
+    wrapped the same way, without the plan), each timing `STEPS_TIMED` steps, which of
+    the two runs first alternating."""
     rank, world = dist.get_rank(), dist.get_world_size()
     plain = _slice(build(model_name, batch=world * batch), rank, world)
     unplanned = wrap(plain.model, parallel)
@@ -114,7 +119,8 @@ def _ratios(wrapped: nn.Module, model_name: str, batch: int, parallel: Parallel,
         for name in sorted(runs, reverse=bool(k % 2)):
             dist.barrier()
             started = time.perf_counter()
-            runs[name]()
+            for _ in range(STEPS_TIMED):
+                runs[name]()
             dist.barrier()
             seconds[name] = time.perf_counter() - started
         out.append(seconds["planned"] / seconds["unplanned"])
