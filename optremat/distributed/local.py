@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 def run_local(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """`fn(*args)` on `world` new processes in one process group, each with its share of
     the CPU cores for its threads (as torchrun sets OMP_NUM_THREADS), and their results in rank
-    order. `fn` must be importable (a module-level function); an exception on any rank
+    order. Every rank waits for the others before leaving the group, so no rank tears down
+    gloo while another's collectives are in flight. `fn` must be importable (a module-level function); an exception on any rank
     fails the whole run with that rank's traceback."""
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_rank, args=(world, _free_port(), backend, directory, fn, args), nprocs=world, join=True)
@@ -32,6 +33,7 @@ def _rank(rank: int, world: int, port: int, backend: str, directory: str, fn: Ca
     try:
         result = fn(*args)
         (Path(directory) / f"{rank}.pickle").write_bytes(pickle.dumps(result))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
