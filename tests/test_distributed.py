@@ -1,6 +1,7 @@
-"""Data-parallel training under a plan, on two local CPU processes (gloo): FSDP2 and DDP
-give the single-process step's gradients, each rank's measured peak stays within its
-budget and near the predicted one, and every rank runs the same decisions."""
+"""Data-parallel training under a plan, on two local CPU processes (gloo): FSDP2 and DDP,
+on the built-in gpt-mini and on a transformers Llama, give the single-process step's
+gradients, each rank's measured peak stays within its budget and near the predicted one,
+and every rank runs the same decisions."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import functools
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import optremat
 from optremat import DDP, FSDP
-from optremat.distributed import run_local
+from optremat.distributed import held_by_rank, run_local, wrap
 from optremat.distributed.agree import PlanningFailed
 from optremat.distributed.trial import RankStep, gradients_of, run
 from optremat.models import build
+from optremat.runtime.measure import measure_peak
 
 MODEL, BATCH, WORLD = "gpt-mini", 2, 2
 """gpt-mini at two samples per rank on two ranks: one batch of four."""
@@ -85,3 +89,57 @@ def test_planning_outside_a_process_group_says_how_to_plan_one_rank() -> None:
     example = build("gpt-tiny")
     with pytest.raises(RuntimeError, match="init_process_group"):
         optremat.distributed.plan(example.model, example.inputs, 0.9, DDP())
+
+
+def hf_llama() -> tuple[torch.nn.Module, torch.Tensor]:
+    """transformers' Llama from its config: tied embeddings, sdpa, a dataclass output."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=128, use_cache=False,
+                         tie_word_embeddings=True, attn_implementation="sdpa")
+    return LlamaForCausalLM(config), torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
+
+
+def next_token_loss(tokens: torch.Tensor):
+    return lambda out: F.cross_entropy(out.logits.flatten(0, 1), tokens.flatten())
+
+
+def hf_llama_rank(parallel: FSDP | DDP) -> tuple[int, int, int, str, dict | None]:
+    """One rank of `parallel` stepping a transformers Llama on its share of the batch, its
+    loss computed outside the model: (budget, predicted peak, measured peak, decisions,
+    rank 0's whole gradients)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, tokens = hf_llama()
+    mine = tokens.chunk(world)[rank].contiguous()
+    loss_fn = next_token_loss(mine)
+    made = optremat.distributed.plan(model, (mine,), 0.8, parallel, loss_fn=loss_fn, time_limit=2)
+    optremat.apply(model, made)
+    wrapped = wrap(model, made.parallel)
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        loss_fn(wrapped(mine)).backward()
+
+    step()
+    peak = min(measure_peak(step, resident=[held_by_rank(model, wrapped), mine], setup=step).peak_bytes
+               for _ in range(3))
+    gradients = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).numpy().copy()
+                 for name, p in model.named_parameters()}
+    decisions = repr([r.to_json() for r in made.regions])
+    return made.budget_bytes, made.predicted_peak_bytes, peak, decisions, gradients if rank == 0 else None
+
+
+@pytest.mark.parametrize("parallel", [FSDP(units=("model.layers.*",)), pytest.param(DDP(), marks=pytest.mark.slow)])
+def test_a_transformers_llama_under_a_per_rank_plan(parallel: FSDP | DDP) -> None:
+    pytest.importorskip("transformers")
+    ranks = run_local(hf_llama_rank, WORLD, parallel)
+    model, tokens = hf_llama()
+    next_token_loss(tokens)(model(tokens)).backward()
+    assert ranks[0][3] == ranks[1][3] != "[]"
+    for budget, predicted, measured, _, _ in ranks:
+        assert measured <= 1.05 * budget and abs(measured - predicted) <= 0.10 * predicted, (budget, predicted, measured)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(ranks[0][4][name], p.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
