@@ -15,11 +15,10 @@ import torch.nn.functional as F
 
 import optremat
 from optremat import DDP, FSDP
-from optremat.distributed import held_by_rank, run_local, wrap
+from optremat.distributed import run_local, wrap
 from optremat.distributed.agree import PlanningFailed
-from optremat.distributed.trial import RankStep, gradients_of, run
+from optremat.distributed.trial import RankStep, gradients_of, rank_peak, run, whole_gradients
 from optremat.models import build
-from optremat.runtime.measure import measure_peak
 
 MODEL, BATCH, WORLD = "gpt-mini", 2, 2
 """gpt-mini at two samples per rank on two ranks: one batch of four."""
@@ -124,10 +123,8 @@ def hf_llama_rank(parallel: FSDP | DDP) -> tuple[int, int, int, str, dict | None
         loss_fn(wrapped(mine)).backward()
 
     step()
-    peak = min(measure_peak(step, resident=[held_by_rank(model, wrapped), mine], setup=step).peak_bytes
-               for _ in range(3))
-    gradients = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).numpy().copy()
-                 for name, p in model.named_parameters()}
+    peak = rank_peak(model, wrapped, mine, step)
+    gradients = whole_gradients(model)
     decisions = repr([r.to_json() for r in made.regions])
     return made.budget_bytes, made.predicted_peak_bytes, peak, decisions, gradients if rank == 0 else None
 

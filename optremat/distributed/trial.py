@@ -1,6 +1,6 @@
 """One rank's measured training step under a data-parallel plan (for `run_local`): the
-plan's predicted peak beside the measured one, its decisions, the gradients, and step
-times against the same job unplanned."""
+plan's predicted peak beside the measured one (`rank_peak`), its decisions, the whole
+gradients (`whole_gradients`), and step times against the same job unplanned."""
 
 from __future__ import annotations
 
@@ -66,11 +66,10 @@ def rank_step(model_name: str, batch: int, budget: float | int | str, parallel: 
     wrapped = wrap(model, made.parallel)
     for _ in range(WARM_UP):
         step(wrapped)
-    peak = min((measure_peak(lambda: step(wrapped), resident=[held_by_rank(model, wrapped), example.inputs],
-                             setup=lambda: step(wrapped)) for _ in range(MEASURED)), key=lambda m: m.peak_bytes)
-    gradients = _gradients(model)
+    peak = rank_peak(model, wrapped, example.inputs, lambda: step(wrapped))
+    gradients = whole_gradients(model)
     ratios = _ratios(wrapped, model_name, batch, made.parallel, example, step, rounds) if rounds else ()
-    return RankStep(rank, made.budget_bytes, made.predicted_peak_bytes, peak.peak_bytes, made.predicted_overhead,
+    return RankStep(rank, made.budget_bytes, made.predicted_peak_bytes, peak, made.predicted_overhead,
                     json.dumps([r.to_json() for r in made.regions]), gradients if rank == 0 else None, ratios)
 
 
@@ -92,7 +91,15 @@ def _step(example: Example) -> Callable[[nn.Module], None]:
     return step
 
 
-def _gradients(model: nn.Module) -> dict[str, np.ndarray]:
+def rank_peak(model: nn.Module, wrapped: nn.Module, inputs: Any, step: Callable[[], None]) -> int:
+    """This rank's measured peak bytes of `step` on top of what it holds between steps
+    (`held_by_rank`) and `inputs`: the least of `MEASURED` measurements, each also
+    measuring a step before it, so the gradients that step leaves count until freed."""
+    return min(measure_peak(step, resident=[held_by_rank(model, wrapped), inputs], setup=step).peak_bytes
+               for _ in range(MEASURED))
+
+
+def whole_gradients(model: nn.Module) -> dict[str, np.ndarray]:
     """Every parameter's whole gradient (gathered from the shards under FSDP): every rank
     must call this, as it is a collective."""
     out = {}
