@@ -364,7 +364,9 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
     the benefit order that fits; checkpointing the first k regions whole (the smallest k
     that fits); and that plan, and every region checkpointed, with the most
     expensive-to-recompute ops saved again while it still fits. The first k regions are
-    those that free the most memory per second of recomputation."""
+    those that free the most memory per second of recomputation. Per-block checkpointing
+    (every call whose ops repeat in another call of the structure, checkpointed whole)
+    competes too, so a plan is never worse than it where it fits."""
     graph = rmap.graph
     order = drop_order(graph)
     found = []
@@ -383,6 +385,9 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
         found.append(whole)
         for start in (whole, _whole(rmap, structure, len(structure))):
             found.append(_saved_again(rmap, structure, inside, start, budget))
+        blocks = _repeated(rmap, structure)
+        if blocks and len(blocks) < len(structure):
+            found.append(_whole(rmap, blocks, len(blocks)))
     return found
 
 
@@ -415,6 +420,16 @@ def _by_yield(rmap: RegionMap, structure: Sequence[Call]) -> list[Call]:
         return freed / max(float(graph.cost[members].sum()), 1e-12)
 
     return sorted(structure, key=lambda call: (-freed_per_second(call), int(rmap.members[call][0])))
+
+
+def _repeated(rmap: RegionMap, structure: Sequence[Call]) -> list[Call]:
+    """The calls of `structure` running the same ops as another call of it: the blocks of
+    a stack, which per-block checkpointing checkpoints."""
+    ops = {call: tuple(rmap.graph.ops[v] for v in rmap.members[call].tolist()) for call in structure}
+    seen: dict[tuple[str, ...], int] = {}
+    for signature in ops.values():
+        seen[signature] = seen.get(signature, 0) + 1
+    return [call for call in structure if seen[ops[call]] > 1]
 
 
 def _whole(rmap: RegionMap, structure: Sequence[Call], count: int) -> Priced:
