@@ -267,7 +267,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     folded = (loss_fn or assumed_loss) if runtime == "native" else None
     traced = trace(model, inputs, folded, cost_model=cost_model, device=device_name)
     loss = 0 if loss_fn is None or folded else loss_bytes(model, inputs, loss_fn, device=device_name)
-    graph = _per_rank(_with_loss(traced.graph, traced, _leaf_count(model, inputs), loss), traced, model, parallel)
+    rmap = _region_map(traced, model, device_name, parallel) if runtime == "native" else None
+    graph = rmap.graph if rmap is not None else _with_loss(traced.graph, traced, _leaf_count(model, inputs), loss)
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
     if budget_bytes < floor:
@@ -281,7 +282,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         if runtime == "exact":
             found = _solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
         else:
-            found = _solve_native(_region_map(traced, model, device_name, parallel), budget_bytes, **options)
+            found = _solve_native(rmap, budget_bytes, **options)
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
                        mutated_buffers=traced.mutated_buffers, loss=_loss_note(loss_fn, runtime), parallel=parallel)
 

@@ -19,6 +19,7 @@ No torch here: the torch facts (call stacks, random ops) arrive as plain data.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Sequence
@@ -426,9 +427,7 @@ def _repeated(rmap: RegionMap, structure: Sequence[Call]) -> list[Call]:
     """The calls of `structure` running the same ops as another call of it: the blocks of
     a stack, which per-block checkpointing checkpoints."""
     ops = {call: tuple(rmap.graph.ops[v] for v in rmap.members[call].tolist()) for call in structure}
-    seen: dict[tuple[str, ...], int] = {}
-    for signature in ops.values():
-        seen[signature] = seen.get(signature, 0) + 1
+    seen = Counter(ops.values())
     return [call for call in structure if seen[ops[call]] > 1]
 
 

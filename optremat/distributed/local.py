@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 
 def run_local(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """`fn(*args)` on `world` new processes in one process group, each with its share of
-    the CPU cores for its threads (as torchrun sets OMP_NUM_THREADS), and their results in rank
-    order. Every rank waits for the others before leaving the group, so no rank tears down
-    gloo while another's collectives are in flight. `fn` must be importable (a module-level function); an exception on any rank
-    fails the whole run with that rank's traceback."""
+    the CPU cores for its threads (as torchrun sets OMP_NUM_THREADS); their results in
+    rank order. Every rank waits for the others before leaving the group, so no rank tears
+    down gloo while another's collectives are in flight. `fn` must be importable (a
+    module-level function); an exception on any rank fails the run with its traceback."""
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_rank, args=(world, _free_port(), backend, directory, fn, args), nprocs=world, join=True)
         return [pickle.loads((Path(directory) / f"{rank}.pickle").read_bytes()) for rank in range(world)]
