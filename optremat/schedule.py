@@ -164,6 +164,25 @@ def without_recomputing(graph: Graph, schedule: Schedule, nodes: np.ndarray) -> 
     return from_computations(graph, [(i, s) for i, s, _ in schedule.events if s != i and not nodes[i]])
 
 
+def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
+    """Forward nodes whose first computation serves a read in a backward node's stage (by
+    the backward node itself or by a recomputation placed there)."""
+    recomputed_at: dict[int, list[int]] = {}
+    for i, s, _ in schedule.events:
+        if s != i:
+            recomputed_at.setdefault(i, []).append(s)
+    kept = np.zeros(graph.n, dtype=bool)
+    for k, s, _ in schedule.events:
+        if not graph.backward[s]:
+            continue
+        for p in graph.preds[k].tolist():
+            if graph.backward[p] or kept[p]:
+                continue
+            later = [r for r in recomputed_at.get(p, ()) if r < s or (r == s and p < k)]
+            kept[p] = not later
+    return kept
+
+
 def _unkept_ancestors(graph: Graph, t: int, kept: np.ndarray) -> list[int]:
     """`t` and every ancestor reachable through nodes that are not kept."""
     seen = {t}
@@ -186,7 +205,9 @@ class SimResult:
     (bytes, first, end) over `curve`'s indices: live at index c when first <= c < end
     (a storage from the computation that creates it, an op's workspace for its own index).
     `shared` maps each computation (an index into the schedule's events) that writes its
-    output over an input's storage to that input node.
+    output over an input's storage to that input node. With `simulate(..., frees=True)`,
+    `frees` lists per stage the nodes whose values die on entering it, then per
+    computation those that die right after it: what a runtime deletes, and where.
     """
 
     peak_bytes: int
@@ -197,6 +218,7 @@ class SimResult:
     recomputations: int
     allocations: np.ndarray | None = None
     shared: dict[int, int] = field(default_factory=dict)
+    frees: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] | None = None
 
     @property
     def overhead(self) -> float:
@@ -205,9 +227,10 @@ class SimResult:
 
 
 def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
-             share: bool | frozenset[int] = False) -> SimResult:
+             share: bool | frozenset[int] = False, frees: bool = False) -> SimResult:
     """Validate `schedule` on `graph` and price it; raises InvalidSchedule if it cannot run.
-    `allocations=True` also records every allocation's bytes and lifetime (for layouts).
+    `allocations=True` also records every allocation's bytes and lifetime (for layouts),
+    `frees=True` where each value dies (for runtimes that delete values as priced).
 
     `share=True` lets every computation of a pointwise op take over the storage of the
     input `graph.shareable` names when nothing else needs that storage after it (the
@@ -218,128 +241,165 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
     if schedule.num_stages != n:
         raise InvalidSchedule(f"schedule has {schedule.num_stages} stages for a graph of {n} nodes", 0, 0)
     _check_events(graph, schedule)
-
-    preds = graph.preds
-    units = graph.units
-    unit_size = graph.unit_size.tolist()
-    alias_of = graph.alias_of.tolist()
-    is_part = graph.is_part.tolist()
-    workspace = graph.workspace.tolist()
-    held = graph.held.tolist()
-    resident = graph.pinned | graph.output
-    storage: list[dict[int, int]] = [{} for _ in range(n)]
-    holders: list[int] = []
-    live_until = np.full(n, -1, dtype=np.int64)
-    state = {"bytes": 0, "at": 0}
-    opened: dict[int, tuple[int, int]] = {}
-    closed: list[tuple[int, int, int]] = []
-
-    def hold(i: int) -> None:
-        if is_part[i]:
-            storage[i] = {i: storage[alias_of[i]][i]}
-        elif alias_of[i] >= 0:
-            storage[i] = storage[alias_of[i]]
-        else:
-            storage[i] = {}
-            for unit in units[i]:
-                storage[i][unit] = len(holders)
-                holders.append(0)
-        for unit, instance in storage[i].items():
-            holders[instance] += 1
-            if holders[instance] == 1:
-                state["bytes"] += unit_size[unit]
-                if allocations:
-                    opened[instance] = (unit_size[unit], state["at"])
-
-    def release(i: int) -> None:
-        for unit, instance in storage[i].items():
-            holders[instance] -= 1
-            if holders[instance] == 0:
-                state["bytes"] -= unit_size[unit]
-                if allocations:
-                    closed.append((*opened.pop(instance), state["at"]))
-
-    shareable = graph.shareable.tolist() if share is not False else []
-    shared: dict[int, int] = {}
-
-    def takeover(k: int, s: int, pos: int, last_use: dict[int, int]) -> int:
-        """The storage instance computation k may write over (-1 if none)."""
-        p = shareable[k]
-        if p < 0:
-            return -1
-        ((_, instance),) = storage[p].items()
-        releasing = {q for q in preds[k].tolist() if live_until[q] == s and not resident[q]
-                     and last_use[q] == pos and instance in storage[q].values()}
-        return instance if holders[instance] == len(releasing) else -1
-
-    curve = np.zeros(len(schedule.node), dtype=np.int64)
-    stage_peak = np.zeros(n, dtype=np.int64)
-    bounds = np.searchsorted(schedule.stage, np.arange(n + 1))
-    expiring: list[list[int]] = [[] for _ in range(n)]
-    for s in range(n):
-        lo, hi = int(bounds[s]), int(bounds[s + 1])
-        nodes = schedule.node[lo:hi].tolist()
-        untils = schedule.until[lo:hi].tolist()
-        last_use = {}
-        for pos, k in enumerate(nodes):
-            for p in preds[k].tolist():
-                last_use[p] = pos
-        state["at"] = lo
-        for i in expiring[s]:
-            if live_until[i] == s and not resident[i] and i not in last_use:
-                release(i)
-                live_until[i] = -1
-        if lo == hi or nodes[-1] != s:
-            raise InvalidSchedule("the stage does not compute its own node", s, s)
-        for pos, (k, u) in enumerate(zip(nodes, untils)):
-            for p in preds[k].tolist():
-                if live_until[p] < s:
-                    raise InvalidSchedule(f"input node {p} is not live", s, k)
-            if live_until[k] >= s:
-                raise InvalidSchedule("node is computed while a copy of it is still live", s, k)
-            state["at"] = lo + pos
-            instance = takeover(k, s, pos, last_use) if share is True or (share and lo + pos in share) else -1
-            if share and share is not True and lo + pos in share and instance < 0:
-                raise InvalidSchedule("cannot write over the input's storage: it is still needed", s, k)
-            if instance >= 0:
-                storage[k] = {k: instance}
-                holders[instance] += 1
-                shared[lo + pos] = shareable[k]
-            else:
-                hold(k)
-            live_until[k] = u
-            if u > s:
-                expiring[u].append(k)
-            curve[lo + pos] = state["bytes"] + workspace[k] + held[s]
-            state["at"] = lo + pos + 1
-            if allocations and workspace[k]:
-                closed.append((workspace[k], lo + pos, lo + pos + 1))
-            for p in preds[k].tolist():
-                if live_until[p] == s and not resident[p] and last_use[p] == pos:
-                    release(p)
-                    live_until[p] = -1
-            if u == s and not resident[k] and last_use.get(k, -1) <= pos:
-                release(k)
-                live_until[k] = -1
-        stage_peak[s] = curve[lo:hi].max()
-    cost = float(graph.cost[schedule.node].sum())
+    run = _Run(graph, schedule, allocations, share)
+    bounds = np.searchsorted(schedule.stage, np.arange(n + 1)).tolist()
+    dying = [run.stage(s, bounds[s], bounds[s + 1]) for s in range(n)]
+    stage_peak = np.maximum.reduceat(run.curve, bounds[:-1]) if n else np.zeros(0, dtype=np.int64)
+    storage = run.storage
     table = None
     if allocations:
-        closed += [(size, first, len(curve)) for size, first in opened.values()]
+        closed = storage.closed + [(size, first, len(run.curve)) for size, first in storage.opened.values()]
         table = np.array(closed, dtype=np.int64).reshape(-1, 3)
         table.setflags(write=False)
-    curve.setflags(write=False)
+    run.curve.setflags(write=False)
     stage_peak.setflags(write=False)
-    return SimResult(
-        peak_bytes=int(curve.max()) if len(curve) else 0,
-        cost=cost,
-        baseline_cost=graph.total_cost,
-        curve=curve,
-        stage_peak=stage_peak,
-        recomputations=schedule.recomputations,
-        allocations=table,
-        shared=shared,
-    )
+    return SimResult(peak_bytes=int(run.curve.max()) if len(run.curve) else 0,
+                     cost=float(graph.cost[schedule.node].sum()), baseline_cost=graph.total_cost,
+                     curve=run.curve, stage_peak=stage_peak, recomputations=schedule.recomputations,
+                     allocations=table, shared=run.shared, frees=tuple(dying) if frees else None)
+
+
+class _Storage:
+    """Storage instances and how many live values hold each: a computation of a node that
+    owns storage opens fresh instances of its units, an alias holds its base's, and an
+    instance's bytes count while anything holds it. `at` is the curve index allocations
+    and frees are recorded against (with `allocations`)."""
+
+    def __init__(self, graph: Graph, allocations: bool) -> None:
+        self.units = graph.units
+        self.unit_size = graph.unit_size.tolist()
+        self.alias_of = graph.alias_of.tolist()
+        self.is_part = graph.is_part.tolist()
+        self.allocations = allocations
+        self.of: list[dict[int, int]] = [{} for _ in range(graph.n)]
+        self.holders: list[int] = []
+        self.bytes = 0
+        self.at = 0
+        self.opened: dict[int, tuple[int, int]] = {}
+        self.closed: list[tuple[int, int, int]] = []
+
+    def hold(self, i: int) -> None:
+        if self.is_part[i]:
+            self.of[i] = {i: self.of[self.alias_of[i]][i]}
+        elif self.alias_of[i] >= 0:
+            self.of[i] = self.of[self.alias_of[i]]
+        else:
+            self.of[i] = {}
+            for unit in self.units[i]:
+                self.of[i][unit] = len(self.holders)
+                self.holders.append(0)
+        for unit, instance in self.of[i].items():
+            self.holders[instance] += 1
+            if self.holders[instance] == 1:
+                self.bytes += self.unit_size[unit]
+                if self.allocations:
+                    self.opened[instance] = (self.unit_size[unit], self.at)
+
+    def take_over(self, k: int, instance: int) -> None:
+        """Node k's output written over `instance`, which it now holds too."""
+        self.of[k] = {k: instance}
+        self.holders[instance] += 1
+
+    def release(self, i: int) -> None:
+        for unit, instance in self.of[i].items():
+            self.holders[instance] -= 1
+            if self.holders[instance] == 0:
+                self.bytes -= self.unit_size[unit]
+                if self.allocations:
+                    self.closed.append((*self.opened.pop(instance), self.at))
+
+
+class _Run:
+    """One pass of `simulate` over a schedule's stages: which values are live until when,
+    the memory curve, and which computations write over an input."""
+
+    def __init__(self, graph: Graph, schedule: Schedule, allocations: bool, share: bool | frozenset[int]) -> None:
+        n = graph.n
+        self.share = share
+        self.nodes, self.untils = schedule.node.tolist(), schedule.until.tolist()
+        self.preds = graph.preds
+        self.workspace = graph.workspace.tolist()
+        self.held = graph.held.tolist()
+        self.resident = (graph.pinned | graph.output).tolist()
+        self.shareable = graph.shareable.tolist() if share is not False else []
+        self.storage = _Storage(graph, allocations)
+        self.live_until = [-1] * n
+        self.expiring: list[list[int]] = [[] for _ in range(n)]
+        self.curve = np.zeros(len(schedule.node), dtype=np.int64)
+        self.shared: dict[int, int] = {}
+
+    def stage(self, s: int, lo: int, hi: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+        """Run stage s (events lo..hi); the values that die on entering it and after each
+        of its computations."""
+        nodes = self.nodes[lo:hi]
+        untils = self.untils[lo:hi]
+        last_use: dict[int, int] = {}
+        for pos, k in enumerate(nodes):
+            for p in self.preds[k].tolist():
+                last_use[p] = pos
+        self.storage.at = lo
+        on_entry = []
+        for i in self.expiring[s]:
+            if self.live_until[i] == s and not self.resident[i] and i not in last_use:
+                self._free(i)
+                on_entry.append(i)
+        if lo == hi or nodes[-1] != s:
+            raise InvalidSchedule("the stage does not compute its own node", s, s)
+        after = [self._compute(k, u, s, lo + pos, pos, last_use) for pos, (k, u) in enumerate(zip(nodes, untils))]
+        return tuple(on_entry), tuple(after)
+
+    def _compute(self, k: int, u: int, s: int, event: int, pos: int, last_use: dict[int, int]) -> tuple[int, ...]:
+        """Computation `event` of node k in stage s, kept until stage u; the values that die after it."""
+        live_until, storage, resident = self.live_until, self.storage, self.resident
+        preds = self.preds[k].tolist()
+        for p in preds:
+            if live_until[p] < s:
+                raise InvalidSchedule(f"input node {p} is not live", s, k)
+        if live_until[k] >= s:
+            raise InvalidSchedule("node is computed while a copy of it is still live", s, k)
+        storage.at = event
+        dying = [p for p in preds if live_until[p] == s and not resident[p] and last_use[p] == pos]
+        if len(dying) > 1:
+            dying = list(dict.fromkeys(dying))
+        instance = self._writes_over(k, s, event, dying) if self.share is not False else -1
+        if instance >= 0:
+            storage.take_over(k, instance)
+            self.shared[event] = self.shareable[k]
+        else:
+            storage.hold(k)
+        live_until[k] = u
+        if u > s:
+            self.expiring[u].append(k)
+        self.curve[event] = storage.bytes + self.workspace[k] + self.held[s]
+        storage.at = event + 1
+        if storage.allocations and self.workspace[k]:
+            storage.closed.append((self.workspace[k], event, event + 1))
+        if u == s and not resident[k] and last_use.get(k, -1) <= pos:
+            dying.append(k)
+        for i in dying:
+            self._free(i)
+        return tuple(dying)
+
+    def _writes_over(self, k: int, s: int, event: int, dying: list[int]) -> int:
+        """The storage instance computation `event` (of node k) writes its output over, or
+        -1: that of the input `Graph.shareable` names, when the values dying with this
+        computation are all that hold it."""
+        asked = self.share is True or (self.share is not False and event in self.share)
+        if not asked:
+            return -1
+        p = self.shareable[k]
+        instance = -1
+        if p >= 0:
+            ((_, candidate),) = self.storage.of[p].items()
+            holding = sum(candidate in self.storage.of[q].values() for q in dying)
+            instance = candidate if self.storage.holders[candidate] == holding else -1
+        if instance < 0 and self.share is not True:
+            raise InvalidSchedule("cannot write over the input's storage: it is still needed", s, k)
+        return instance
+
+    def _free(self, i: int) -> None:
+        self.storage.release(i)
+        self.live_until[i] = -1
 
 
 def _check_events(graph: Graph, schedule: Schedule) -> None:

@@ -24,7 +24,7 @@ from optremat.extract import Traced, depending_on, mutated_inputs
 from optremat.graph import Graph
 from optremat.runtime.ops import (autocast_state, call, is_random, rng_state, set_rng_state,
                                   signature_of)
-from optremat.schedule import Schedule
+from optremat.schedule import Schedule, simulate
 
 
 def exact_program(model: torch.nn.Module, traced: Traced, inputs: tuple, graph: Graph, schedule: Schedule,
@@ -148,42 +148,13 @@ def _first_reading(graph: Graph, tangents: list[int]) -> int:
 
 
 def _instructions(graph: Graph, schedule: Schedule, shared: dict[int, int]
-                  ) -> list[tuple[list[int], list[tuple[int, list[int], int]]]]:
-    """Per stage: the tensors to free on entry, then each computation with the tensors to
-    free right after it and the input it writes over (-1 for none; `shared` maps event
-    indices to those inputs); the same liveness `simulate()` prices."""
-    n = graph.n
-    resident = graph.pinned | graph.output
-    bounds = np.searchsorted(schedule.stage, np.arange(n + 1))
-    live_until = np.full(n, -1, dtype=np.int64)
-    live_until[graph.pinned] = n - 1
-    expiring: list[list[int]] = [[] for _ in range(n)]
-    stages = []
-    for s in range(n):
-        lo, hi = int(bounds[s]), int(bounds[s + 1])
-        nodes = schedule.node[lo:hi].tolist()
-        untils = schedule.until[lo:hi].tolist()
-        last_use: dict[int, int] = {}
-        for pos, k in enumerate(nodes):
-            for p in graph.preds[k].tolist():
-                last_use[p] = pos
-        drop_first = []
-        for i in expiring[s]:
-            if live_until[i] == s and not resident[i] and i not in last_use:
-                drop_first.append(i)
-                live_until[i] = -1
-        events = []
-        for pos, (k, u) in enumerate(zip(nodes, untils)):
-            live_until[k] = u
-            if u > s:
-                expiring[u].append(k)
-            drops = [p for p in dict.fromkeys(graph.preds[k].tolist())
-                     if live_until[p] == s and not resident[p] and last_use[p] == pos]
-            if u == s and not resident[k] and last_use.get(k, -1) <= pos:
-                drops.append(k)
-            for i in drops:
-                live_until[i] = -1
-            if not graph.pinned[k]:
-                events.append((k, drops, shared.get(lo + pos, -1)))
-        stages.append((drop_first, events))
-    return stages
+                  ) -> list[tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], int]]]]:
+    """Per stage: the values to delete on entry, then each computation with the values to
+    delete right after it and the input it writes over (-1 for none; `shared` maps event
+    indices to those inputs), where `simulate()` frees them."""
+    result = simulate(graph, schedule, share=frozenset(shared), frees=True)
+    bounds = np.searchsorted(schedule.stage, np.arange(graph.n + 1)).tolist()
+    return [(on_entry, [(k, drops, shared.get(lo + pos, -1))
+                        for pos, (k, drops) in enumerate(zip(schedule.node[lo:].tolist(), after))
+                        if not graph.pinned[k]])
+            for lo, (on_entry, after) in zip(bounds, result.frees)]
