@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from optremat.schedule import Schedule
 
 OPTIMAL = "OPTIMAL"
 FEASIBLE = "FEASIBLE"
 HEURISTIC = "HEURISTIC"
+
+Progress = Callable[[float, float, float], None]
+"""Called with (elapsed seconds, incumbent cost, proven lower bound) as a solve improves."""
 
 
 @dataclass(frozen=True, eq=False)

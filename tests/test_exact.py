@@ -6,7 +6,7 @@ from ortools.sat.python import cp_model
 
 from optremat import Graph, from_kept, keep_all, resolve_budget, simulate
 from optremat.budget import InfeasibleBudget
-from optremat.ilp import cpsat
+from optremat.ilp import search
 from optremat.ilp.cpsat import min_peak_cpsat, solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
 from optremat.synthetic import random_training_graph
@@ -146,9 +146,9 @@ def test_a_feasible_hint_is_valid_and_the_result_is_no_worse(g, fraction):
 
 
 def test_a_stalled_search_restarts_from_its_best_plan_and_never_goes_back(monkeypatch):
-    monkeypatch.setattr(cpsat, "LEAST_STALL", 0.05)
-    monkeypatch.setattr(cpsat, "STALL_SHARE", 0.0)
-    monkeypatch.setattr(cpsat, "RESTART_GAP", 0.0)
+    monkeypatch.setattr(search, "LEAST_STALL", 0.05)
+    monkeypatch.setattr(search, "STALL_SHARE", 0.0)
+    monkeypatch.setattr(search, "RESTART_GAP", 0.0)
     rounds = []
 
     class CountingSolver(cp_model.CpSolver):
@@ -156,7 +156,7 @@ def test_a_stalled_search_restarts_from_its_best_plan_and_never_goes_back(monkey
             super().__init__()
             rounds.append(self)
 
-    monkeypatch.setattr(cpsat.cp_model, "CpSolver", CountingSolver)
+    monkeypatch.setattr(search.cp_model, "CpSolver", CountingSolver)
     g = random_training_graph(40)
     budget = resolve_budget(g, 0.5)
     reports = []
@@ -171,7 +171,7 @@ def test_a_stalled_search_restarts_from_its_best_plan_and_never_goes_back(monkey
     solve_cpsat(g, budget, time_limit=1, workers=1, deterministic=True)
     assert len(rounds) == 1
 
-    monkeypatch.setattr(cpsat, "RESTART_GAP", 1.0)
+    monkeypatch.setattr(search, "RESTART_GAP", 1.0)
     rounds.clear()
     solve_cpsat(g, budget, time_limit=1, workers=1)
     assert len(rounds) == 1

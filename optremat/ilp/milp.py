@@ -23,7 +23,8 @@ from ortools.linear_solver import pywraplp
 
 from optremat.ilp.bounds import solver_floor, tighten
 from optremat.budget import InfeasibleBudget
-from optremat.ilp.cpsat import infeasible, seconds_left
+from optremat.ilp.cpsat import infeasible
+from optremat.ilp.search import seconds_left
 from optremat.graph import Graph
 from optremat.schedule import Schedule, from_computations, from_kept, simulate
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Solution
