@@ -14,7 +14,8 @@ from typing import Any
 
 _ON_FIRST_USE = {
     "ExtractionError": "optremat.extract", "extract": "optremat.extract",
-    "Plan": "optremat.plan", "plan": "optremat.plan", "price_regions": "optremat.plan",
+    "Plan": "optremat.plan", "plan": "optremat.planning", "price_regions": "optremat.native_plan",
+    "reprice": "optremat.native_plan",
     "Planned": "optremat.runtime.apply", "apply": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
     "PlanMismatch": "optremat.runtime.native",
     "compile_backend": "optremat.compiler.backend", "KnapsackSolver": "optremat.compiler.knapsack",
@@ -84,6 +85,7 @@ __all__ = [
     "price_regions",
     "recompute_all",
     "remove",
+    "reprice",
     "resolve_budget",
     "simulate",
     "solve",

@@ -26,7 +26,8 @@ from optremat.budget import InfeasibleBudget, resolve_budget
 from optremat.coarsen import Coarsened, coarsen
 from optremat.graph import Graph, format_bytes
 from optremat.heuristics import NotAChain
-from optremat.plan import Plan, plan
+from optremat.plan import Plan
+from optremat.planning import plan
 from optremat.runtime.apply import apply, remove
 from optremat.runtime.measure import measure_peak
 from optremat.schedule import keep_all, simulate

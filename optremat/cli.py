@@ -112,7 +112,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     from optremat.models import load
-    from optremat.plan import plan
+    from optremat.planning import plan
 
     example = load(args.model)
     result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,

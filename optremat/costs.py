@@ -54,6 +54,12 @@ def device_profile(name: str | DeviceProfile) -> DeviceProfile:
     return DEVICES[name]
 
 
+def model_device(model: torch.nn.Module) -> str:
+    """The profile that prices ops where `model`'s parameters are (the CPU's for none)."""
+    first = next(iter(model.parameters()), None)
+    return "cpu" if first is None else profile_for(first.device)
+
+
 def profile_for(device: torch.device) -> str:
     """The profile that prices ops on `device`: the CPU's, or the GPU's whose name the
     device's name contains (the H100's, with a warning, for a GPU with no profile)."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 import optremat
 from tests.console import Ran, run
 
-planning = importlib.import_module("optremat.plan")
+planning = importlib.import_module("optremat.planning")
 
 MODEL = textwrap.dedent("""
     import torch, torch.nn as nn
@@ -41,8 +41,8 @@ def test_hit_loads_the_same_plan_without_solving(tmp_path, monkeypatch) -> None:
     def no_solver(*args, **kwargs):
         raise AssertionError("a cache hit must not run any solver")
 
-    monkeypatch.setattr(planning, "_solve_native", no_solver)
-    monkeypatch.setattr(planning, "_solve_exact", no_solver)
+    monkeypatch.setattr(planning, "solve_native", no_solver)
+    monkeypatch.setattr(planning, "solve_exact", no_solver)
     second = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5, cache=tmp_path)
     assert second.cached and second.to_json() == first.to_json()
     out = optremat.apply(model, second)(*inputs)

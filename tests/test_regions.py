@@ -14,22 +14,22 @@ from hypothesis import strategies as st
 import optremat
 from optremat.extract import trace
 from optremat.models import build
-from optremat.plan import _region_map
+from optremat.native_plan import region_map
 from optremat.regions import RegionMap, kept_of, parse_span, price, span_path
 
 MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny", "rnn-tiny", "unet-tiny", "vgg-tiny")
 
 
 @functools.lru_cache(maxsize=None)
-def region_map(name: str) -> RegionMap:
+def built_map(name: str) -> RegionMap:
     example = build(name)
-    return _region_map(trace(example.model, example.inputs, example.loss_fn), example.model, "cpu")
+    return region_map(trace(example.model, example.inputs, example.loss_fn), example.model, "cpu")
 
 
 @settings(max_examples=60)
 @given(name=st.sampled_from(MODELS), data=st.data())
 def test_any_keep_set_lowers_to_a_schedule_that_runs_and_reads_back(name: str, data: st.DataObject) -> None:
-    rmap = region_map(name)
+    rmap = built_map(name)
     structures = rmap.structures()
     structure = structures[data.draw(st.integers(0, len(structures) - 1))]
     seed = data.draw(st.integers(0, 2**31 - 1))
@@ -51,7 +51,7 @@ def test_span_paths_read_back() -> None:
 
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
 def test_structures_hold_every_depth_and_sequential_spans(name: str) -> None:
-    rmap = region_map(name)
+    rmap = built_map(name)
     structures = rmap.structures()
     spans = [s for s in structures if all(parse_span(path) for path, _ in s)]
     calls = [s for s in structures if not any(parse_span(path) for path, _ in s)]
@@ -69,7 +69,7 @@ def test_random_ops_are_never_saved() -> None:
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.5), torch.nn.GELU())
                                   for _ in range(4)])
     inputs = (torch.randn(64, 32),)
-    rmap = _region_map(trace(model, inputs, lambda out: out.sum()), model, "cpu")
+    rmap = region_map(trace(model, inputs, lambda out: out.sum()), model, "cpu")
     structure = next(s for s in rmap.structures() if s[0][0] == "0")
     for kept in (np.zeros(rmap.graph.n, dtype=bool), rmap.random.copy()):
         regions = price(rmap, structure, kept, "any").lowering.regions

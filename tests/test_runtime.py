@@ -514,7 +514,7 @@ def test_other_shapes_run_planned_below_their_unplanned_peak() -> None:
     plan = optremat.plan(model, (idx,), 0.92, loss_fn=loss_fn, time_limit=5)
     params = list(model.parameters())
     for other in (torch.randint(0, 128, (idx.shape[0] * 4, idx.shape[1])), idx[:, :16].repeat(8, 1)):
-        priced = plan.reprice(model, (other,), loss_fn)
+        priced = optremat.reprice(plan, model, (other,), loss_fn)
         assert priced.regions == plan.regions and priced.predicted_peak_bytes < priced.baseline_peak_bytes
 
         def step() -> tuple:

@@ -16,7 +16,7 @@ from optremat import DDP, FSDP
 from optremat.extract import Traced, trace
 from optremat.graph import Graph
 from optremat.models import build
-from optremat.plan import _region_map
+from optremat.native_plan import region_map
 from optremat.schedule import keep_all, recompute_all, simulate
 from optremat.sharding import per_rank, shard_bytes, unit_of
 from tests.dags import graphs
@@ -110,8 +110,8 @@ def test_units_match_one_path_component_per_star_and_the_innermost_wins() -> Non
 def test_under_fsdp_no_region_spans_two_units() -> None:
     step, example = traced("mlp-tiny")
     units = ("*",)
-    plain = _region_map(step, example.model, "cpu")
-    sharded = _region_map(step, example.model, "cpu", FSDP(units=units, world=2))
+    plain = region_map(step, example.model, "cpu")
+    sharded = region_map(step, example.model, "cpu", FSDP(units=units, world=2))
     unit = unit_of(sharded.graph, units)
 
     def spanning(rmap) -> list:

@@ -27,7 +27,8 @@ from optremat.compiler.joint import JointStep, read_joint
 from optremat.compiler.partition import partition
 from optremat.costs import DeviceProfile, device_profile, profile_for
 from optremat.fingerprint import package_version
-from optremat.plan import EXACT_ATTEMPTS, Plan, plan_step
+from optremat.exact_plan import EXACT_ATTEMPTS, plan_step
+from optremat.plan import Plan
 from optremat.schedule import simulate, without_recomputing
 from optremat.solution import FEASIBLE, OPTIMAL
 from optremat.solve import SOLVERS

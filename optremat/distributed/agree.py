@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from optremat.fingerprint import model_fingerprint
 from optremat.plan import Plan
-from optremat.plan import plan as plan_one_rank
+from optremat.planning import plan as plan_one_rank
 from optremat.runtime.native import PlanMismatch
 from optremat.runtime.ops import signature_of
 from optremat.sharding import Parallel

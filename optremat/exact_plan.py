@@ -1,0 +1,108 @@
+"""Plans that run on every op as scheduled: the exact runtime's and compiled graphs'.
+
+`plan_step` solves a step graph on its coarsened form and expands the schedule back to
+every op, solving again with a smaller budget when the expanded plan peaks over it;
+`solve_exact` does so for a traced model step, with room for the loss computed outside it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from optremat.budget import InfeasibleBudget
+from optremat.coarsen import coarsen
+from optremat.extract import Traced, after_output_gradient
+from optremat.graph import Graph
+from optremat.order import best_order
+from optremat.plan import Plan
+from optremat.schedule import keep_all, simulate
+from optremat.solution import Progress
+from optremat.solve import best_heuristic, solve
+
+EXACT_ATTEMPTS = 3
+"""Solves tried for the exact runtime, each with the budget reduced by the last plan's excess."""
+
+
+def solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, budget_bytes: int, *, solver: str,
+                 order: str, loss: int, **options: Any) -> Plan:
+    """`plan_step` for the exact runtime: `graph` is the traced step with room for a loss
+    of `loss` bytes computed outside it (`with_loss`), run in its traced order or, with
+    `order="best"`, in the order that lowers its unplanned peak."""
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
+    if order == "best":
+        leaves = leaf_count(model, inputs)
+        graph = with_loss(best_order(traced.graph, after_output_gradient(traced.graph, traced, leaves))[0],
+                           traced, leaves, loss)
+    found = plan_step(graph, budget_bytes, solver=solver, **options)
+    return replace(found, baseline_peak_bytes=baseline, traced=traced)
+
+
+def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_limit: float = 30.0, workers: int = 0,
+              seed: int = 0, deterministic: bool = False, progress: Progress | None = None,
+              started: float | None = None, share: bool = True, runtime: str = "exact") -> Plan:
+    """A plan that runs on every op of `graph` as scheduled (each op computed where the
+    schedule puts it, any number of times), solved on the coarsened graph; when the
+    coarse plan peaks over the budget on every op, solve again with the budget reduced by
+    the excess. Once the solver finds no plan (or none in time), the best heuristic plan
+    within the budget, or else at the smallest budget the solver names (or the
+    heuristics reach), is the last try. `share` prices ops writing over inputs they are
+    the last to read, as the exact runtime runs them."""
+    started = time.perf_counter() if started is None else started
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
+    coarse = coarsen(graph)
+    target, deadline, smallest = budget_bytes, started + time_limit, None
+    for _ in range(EXACT_ATTEMPTS):
+        remaining = time_limit if deterministic else max(deadline - time.perf_counter(), 1.0)
+        exhausted = False
+        try:
+            solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
+                             deterministic=deterministic, progress=progress)
+        except (InfeasibleBudget, TimeoutError) as error:
+            solution, least = ((None, error.smallest) if isinstance(error, InfeasibleBudget)
+                               else best_heuristic(coarse.coarse, target))
+            if solution is None and least is not None:
+                solution = best_heuristic(coarse.coarse, least)[0]
+            if solution is None:
+                if least is None:
+                    raise
+                raise InfeasibleBudget(budget_bytes, least, f"{solver} (on the coarsened graph)") from None
+            exhausted = True
+        fine = coarse.expand(solution.schedule)
+        result = simulate(coarse.fine, fine, share=share)
+        smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
+        if result.peak_bytes <= budget_bytes:
+            total = graph.total_cost
+            return Plan(graph=coarse.fine, schedule=fine, regions=(), model_fingerprint="", budget_bytes=budget_bytes,
+                        predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
+                        predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
+                        lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
+                        solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
+                        runtime=runtime, shared=tuple(sorted(result.shared.items())))
+        if exhausted:
+            break
+        target -= result.peak_bytes - budget_bytes
+    raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
+
+
+def leaf_count(model: nn.Module, inputs: tuple) -> int:
+    """The traced step's leading placeholders: parameters, buffers and input tensors."""
+    return len(dict(model.named_parameters())) + len(dict(model.named_buffers())) + len(tree_leaves(inputs))
+
+
+def with_loss(graph: Graph, traced: Traced, leaves: int, loss: int) -> Graph:
+    """`graph`, a step traced without its loss, with the loss's `loss` bytes as the
+    workspace of the first op that reads the output's gradient: the exact runtime leaves
+    the loss to eager autograd between its forward and its backward, so that is when
+    those bytes are live."""
+    if not loss:
+        return graph
+    workspace = graph.workspace.copy()
+    workspace[int(np.argmax(after_output_gradient(graph, traced, leaves)))] += loss
+    workspace.flags.writeable = False
+    return replace(graph, workspace=workspace)

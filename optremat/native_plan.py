@@ -1,0 +1,118 @@
+"""Plans for the native runtime, which checkpoints module calls of the user's model.
+
+The traced step is seen as module calls (`region_map`); the solver's keep set, solved on
+the coarsened graph, is lowered to module regions and competes with region plans built
+for the budget (`solve_native`), every candidate priced on every op as the runtime runs
+it. Given regions are priced the same way at any input shape (`price_regions`, `reprice`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from optremat.budget import InfeasibleBudget
+from optremat.coarsen import coarsen
+from optremat.costs import device_profile, model_device
+from optremat.extract import Traced, assumed_loss, trace
+from optremat.fingerprint import model_fingerprint
+from optremat.plan import Plan, loss_note
+from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
+from optremat.schedule import keep_all, kept_for_backward, simulate
+from optremat.sharding import FSDP, Parallel, per_rank, unit_of
+from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress
+from optremat.solve import solve
+
+
+def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit: float,
+                  workers: int, seed: int, deterministic: bool, progress: Progress | None,
+                  started: float) -> Plan:
+    """Solve on the coarsened graph, lower the keep set to module regions, and keep the
+    cheapest region plan that fits; region plans built for the budget compete, and stand
+    alone when the solver finds no plan."""
+    graph = rmap.graph
+    coarse = coarsen(graph)
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
+    total = graph.total_cost
+    solution, kept = None, None
+    try:
+        solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
+                         deterministic=deterministic, progress=progress)
+        kept = np.zeros(graph.n, dtype=bool)
+        kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
+    except (InfeasibleBudget, TimeoutError):
+        pass
+    candidates = search(rmap, budget_bytes, kept)
+    fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
+    if not fitting:
+        raise InfeasibleBudget(budget_bytes, min(c.result.peak_bytes for c in candidates),
+                               f"{solver} on the native runtime")
+    best: Priced = min(fitting, key=lambda c: c.cost)
+    result = best.result
+    if best.source == "solver":
+        solver_overhead = solution.cost / total - 1
+        lossless = best.overhead <= solver_overhead + 1e-9
+        name, status = solution.solver, solution.status if lossless or solution.status != OPTIMAL else FEASIBLE
+    else:
+        solver_overhead = best.overhead
+        name, status = best.source, FEASIBLE if solution is not None and solution.lower_bound is not None else HEURISTIC
+    return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
+                budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
+                predicted_overhead=best.overhead, solver=name, status=status,
+                lower_bound=None if solution is None or solution.lower_bound is None else solution.lower_bound / total - 1,
+                solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead)
+
+
+def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel | None = None) -> RegionMap:
+    """The traced step (as one rank holds it, under `parallel`) seen as module calls;
+    under FSDP no region spans two of its units."""
+    graph = traced.graph if parallel is None else per_rank(traced.graph, traced.parameters(model), parallel)
+    sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
+                 for path, module in model.named_modules() if isinstance(module, nn.Sequential)}
+    unit = unit_of(graph, parallel.units) if isinstance(parallel, FSDP) else None
+    return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
+                     device_profile(device).dispatch_seconds, unit)
+
+
+
+def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions: Sequence[Region], *,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None, cost_model: str = "roofline",
+                  device: str | None = None, parallel: Parallel | None = None) -> Plan:
+    """The native plan that checkpoints exactly `regions`, priced as `plan` prices its own
+    (its budget is its peak): per-block checkpointing is one Region per block call saving
+    nothing, so other planners' choices are compared on the same simulator."""
+    device_name = device or model_device(model)
+    traced = trace(model, example_inputs, loss_fn or assumed_loss, cost_model=cost_model, device=device_name)
+    rmap = region_map(traced, model, device_name, parallel)
+    missing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) not in rmap.members]
+    if missing:
+        raise ValueError(f"no module call {', '.join(missing)} in {type(model).__name__}'s step")
+    started = time.perf_counter()
+    priced = price(rmap, *kept_of(rmap, regions), "given")
+    graph = rmap.graph
+    return Plan(graph=graph, schedule=priced.lowering.schedule, regions=priced.lowering.regions,
+                model_fingerprint=model_fingerprint(model), budget_bytes=priced.result.peak_bytes,
+                predicted_peak_bytes=priced.result.peak_bytes,
+                baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
+                predicted_overhead=priced.overhead, solver="given", status=HEURISTIC, lower_bound=None,
+                solve_seconds=time.perf_counter() - started, solver_overhead=priced.overhead,
+                training=model.training, mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn),
+                parallel=parallel)
+
+
+def reprice(plan: Plan, model: nn.Module, example_inputs: Sequence[Any] | Any,
+            loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
+    """A native plan's regions priced at other inputs' shapes: the same decisions, with
+    the peak and overhead they have there (the budget becomes that peak)."""
+    if plan.runtime != "native":
+        raise ValueError("only native plans run at other shapes; plan the exact runtime again")
+    priced = price_regions(model, example_inputs, plan.regions, loss_fn=loss_fn, parallel=plan.parallel)
+    return replace(plan, graph=priced.graph, schedule=priced.schedule, budget_bytes=priced.budget_bytes,
+                   predicted_peak_bytes=priced.predicted_peak_bytes, baseline_peak_bytes=priced.baseline_peak_bytes,
+                   predicted_overhead=priced.predicted_overhead, solver_overhead=priced.solver_overhead,
+                   loss=priced.loss, cached=False)
