@@ -21,12 +21,14 @@ from optremat.extract import Traced, after_output_gradient
 from optremat.graph import Graph
 from optremat.order import best_order
 from optremat.plan import Plan
-from optremat.schedule import keep_all, simulate
+from optremat.schedule import from_computations, keep_all, simulate
 from optremat.solution import Progress
 from optremat.solve import best_heuristic, solve
 
-EXACT_ATTEMPTS = 3
-"""Solves tried for the exact runtime, each with the budget reduced by the last plan's excess."""
+EXACT_ATTEMPTS = 4
+"""Solves tried per plan, each with the budget moved by the last plan's excess or slack."""
+SLACK = 0.005
+"""A plan that leaves more than this share of its budget unused is solved again with more."""
 
 
 def solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, budget_bytes: int, *, solver: str,
@@ -47,47 +49,62 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
               seed: int = 0, deterministic: bool = False, progress: Progress | None = None,
               started: float | None = None, share: bool = True, runtime: str = "exact") -> Plan:
     """A plan that runs on every op of `graph` as scheduled (each op computed where the
-    schedule puts it, any number of times), solved on the coarsened graph; when the
-    coarse plan peaks over the budget on every op, solve again with the budget reduced by
-    the excess. Once the solver finds no plan (or none in time), the best heuristic plan
-    within the budget, or else at the smallest budget the solver names (or the
-    heuristics reach), is the last try. `share` prices ops writing over inputs they are
-    the last to read, as the exact runtime runs them."""
+    schedule puts it, any number of times), solved on the coarsened graph and expanded
+    to every op, each tensor kept only until the last read it serves.
+
+    The coarse model's peak differs from the expanded plan's, so the budget the solver
+    is given moves by the difference: down when the plan peaks over the budget, up when
+    it leaves more than SLACK of it unused; the cheapest plan that fits wins. Once the
+    solver finds no plan (or none in time), the best heuristic plan within the budget,
+    or else at the smallest budget the solver names (or the heuristics reach), is the
+    last try. `share` prices ops writing over inputs they are the last to read, as the
+    exact runtime and compiled graphs run them."""
     started = time.perf_counter() if started is None else started
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     coarse = coarsen(graph)
-    target, deadline, smallest = budget_bytes, started + time_limit, None
+    target, deadline, smallest, best = budget_bytes, started + time_limit, None, None
+    fits_at, fails_at = None, None
     for _ in range(EXACT_ATTEMPTS):
         remaining = time_limit if deterministic else max(deadline - time.perf_counter(), 1.0)
         exhausted = False
         try:
             solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
-                             deterministic=deterministic, progress=progress)
+                             deterministic=deterministic, progress=progress,
+                             hint=None if best is None or target < budget_bytes else best[0].schedule)
         except (InfeasibleBudget, TimeoutError) as error:
             solution, least = ((None, error.smallest) if isinstance(error, InfeasibleBudget)
                                else best_heuristic(coarse.coarse, target))
             if solution is None and least is not None:
                 solution = best_heuristic(coarse.coarse, least)[0]
             if solution is None:
-                if least is None:
-                    raise
+                if least is None or best is not None:
+                    break
                 raise InfeasibleBudget(budget_bytes, least, f"{solver} (on the coarsened graph)") from None
             exhausted = True
-        fine = coarse.expand(solution.schedule)
+        expanded = coarse.expand(solution.schedule)
+        fine = from_computations(coarse.fine, [(i, s) for i, s, _ in expanded.events if s != i])
         result = simulate(coarse.fine, fine, share=share)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
-        if result.peak_bytes <= budget_bytes:
-            total = graph.total_cost
-            return Plan(graph=coarse.fine, schedule=fine, regions=(), model_fingerprint="", budget_bytes=budget_bytes,
-                        predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
-                        predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
-                        lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
-                        solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
-                        runtime=runtime, shared=tuple(sorted(result.shared.items())))
-        if exhausted:
+        if result.peak_bytes <= budget_bytes and (best is None or result.cost < best[2].cost):
+            best = solution, fine, result
+        if exhausted or (1 - SLACK) * budget_bytes <= result.peak_bytes <= budget_bytes:
             break
-        target -= result.peak_bytes - budget_bytes
-    raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
+        if result.peak_bytes <= budget_bytes:
+            fits_at = target
+        else:
+            fails_at = target
+        target = (target + budget_bytes - result.peak_bytes if fits_at is None or fails_at is None
+                  else (fits_at + fails_at) // 2)
+    if best is None:
+        raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
+    solution, fine, result = best
+    total = graph.total_cost
+    return Plan(graph=coarse.fine, schedule=fine, regions=(), model_fingerprint="", budget_bytes=budget_bytes,
+                predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
+                predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
+                lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
+                solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
+                runtime=runtime, shared=tuple(sorted(result.shared.items())))
 
 
 def leaf_count(model: nn.Module, inputs: tuple) -> int:

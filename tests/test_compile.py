@@ -19,7 +19,7 @@ from optremat.budget import InfeasibleBudget
 from optremat.compiler import backend as backend_module
 from optremat.compiler.joint import read_joint
 from optremat.compiler.knapsack import KnapsackSolver, runtime_estimate, solve_knapsack
-from optremat.compiler.partition import partition
+from optremat.compiler.partition import partition, writable
 from optremat.costs import device_profile
 from optremat.models import GPT, CrossEntropy, build
 from optremat.runtime.measure import measure_peak
@@ -120,8 +120,34 @@ def test_predicted_peak_is_the_measured_one_when_nothing_fuses() -> None:
     compiled = torch.compile(model, backend=backend, dynamic=False)
     measured = peak_of(model, compiled, inputs, loss_fn)
     plan = backend.plans[0]
-    assert simulate(plan.graph, plan.schedule).peak_bytes == plan.predicted_peak_bytes
+    assert plan.shared and "share" in plan.decisions().values()
+    shares = frozenset(event for event, _ in plan.shared)
+    assert simulate(plan.graph, plan.schedule, share=shares).peak_bytes == plan.predicted_peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+    assert_same_step(step(model, inputs, loss_fn), step(compiled, inputs, loss_fn))
+
+
+def test_shared_computations_write_over_their_dying_inputs_in_the_backward() -> None:
+    """A computation the plan shares runs as its op's out= overload on the input it is
+    the last to read, in the forward or the backward, and the step stays eager's."""
+    example = gpt()
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    expected = step(model, inputs, loss_fn)
+    written: list[set[str]] = []
+
+    def partition_sharing(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None):
+        joint_step = read_joint(joint, num_fwd_outputs, static_lifetime_input_indices or [], device_profile("cpu"))
+        graph = joint_step.graph
+        schedule = recompute_all(graph)
+        can = writable(joint_step, graph)
+        shared = {e: p for e, p in simulate(graph, schedule, share=True).shared.items() if can[schedule.node[e]]}
+        modules = partition(joint, joint_step, graph, schedule, num_fwd_outputs, shared)
+        written.append({str(n.target) for m in modules for n in m.graph.nodes if "out" in n.kwargs})
+        return modules
+
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_sharing)
+    assert_same_step(expected, step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn))
+    assert written and any(target.endswith(".out") for target in written[0]), written
 
 
 def test_later_steps_do_not_compile_again() -> None:

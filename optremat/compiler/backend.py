@@ -24,12 +24,13 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from optremat.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.cache import PlanCache
 from optremat.compiler.joint import JointStep, read_joint
-from optremat.compiler.partition import partition
+from optremat.compiler.partition import partition, writable
 from optremat.costs import DeviceProfile, device_profile, profile_for
 from optremat.fingerprint import package_version
 from optremat.exact_plan import EXACT_ATTEMPTS, plan_step
 from optremat.plan import Plan
-from optremat.schedule import simulate, without_recomputing
+from optremat.graph import Graph
+from optremat.schedule import Schedule, simulate, without_recomputing
 from optremat.solution import FEASIBLE, OPTIMAL
 from optremat.solve import SOLVERS
 
@@ -54,6 +55,7 @@ class Partitioner(CustomPartitionerFn):
     cache: str | Path | None = None
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     device: str | DeviceProfile | None = None
+    share: bool = False
     plans: list[Plan] = field(default_factory=list)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -66,11 +68,11 @@ class Partitioner(CustomPartitionerFn):
                           self.loss_fn)
         found = self._plan(step, profile)
         self.plans.append(found)
-        return partition(gm, step, found.graph, found.schedule, num_fwd_outputs)
+        return partition(gm, step, found.graph, found.schedule, num_fwd_outputs, dict(found.shared))
 
     def uuid(self) -> str:
         parts = [self.budget, self.solver, self.time_limit, self.deterministic, self.seed, self.cache,
-                 getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, package_version()]
+                 getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, self.share, package_version()]
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def _profile(self, joint_inputs: Sequence[object]) -> DeviceProfile:
@@ -88,7 +90,7 @@ class Partitioner(CustomPartitionerFn):
             return self._solve(step, budget_bytes)
         store = PlanCache(self.cache)
         key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
-                        deterministic=self.deterministic, device=profile, runtime="compiled",
+                        deterministic=self.deterministic, device=profile, runtime="compiled", share=self.share,
                         version=package_version())
         with store.locked(key):
             hit = store.get(key, self.time_limit, Plan.from_json)
@@ -109,25 +111,35 @@ class Partitioner(CustomPartitionerFn):
             try:
                 found = plan_step(step.graph, target, solver=self.solver, time_limit=self.time_limit,
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,
-                                  started=started, share=False, runtime="compiled")
+                                  started=started, share=self.share, runtime="compiled")
             except InfeasibleBudget as error:
                 raise InfeasibleBudget(budget_bytes, min(error.smallest, smallest or error.smallest),
                                        f"{self.solver} in a compiled step") from None
             planned = found.graph
             schedule = without_recomputing(planned, found.schedule, np.array([fixed[n] for n in planned.names]))
-            result = simulate(planned, schedule)
+            result = simulate(planned, schedule, share=self._shares(step, planned, schedule))
             if result.peak_bytes <= budget_bytes:
                 dropped = len(schedule.node) < len(found.schedule.node)
                 return replace(found, graph=planned, schedule=schedule, budget_bytes=budget_bytes,
                                status=FEASIBLE if dropped and found.status == OPTIMAL else found.status,
                                predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead,
                                solver_overhead=result.overhead, lower_bound=None,
+                               shared=tuple(sorted(result.shared.items())),
                                solve_seconds=time.perf_counter() - started,
                                loss="priced by loss_fn on the outputs that take a gradient" if self.loss_fn else
                                "not given: priced as a cross-entropy over the last dimension of the largest output")
             smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
             target -= result.peak_bytes - budget_bytes
         raise InfeasibleBudget(budget_bytes, smallest, f"{self.solver} in a compiled step")
+
+    def _shares(self, step: JointStep, graph: Graph, schedule: Schedule) -> frozenset[int]:
+        """The computations of `schedule` that write over an input they are the last to
+        hold, where the compiled graph can (`writable`); none unless `share`."""
+        if not self.share:
+            return frozenset()
+        can = writable(step, graph)
+        return frozenset(e for e, _ in simulate(graph, schedule, share=True).shared.items()
+                         if can[schedule.node[e]])
 
 
 class Backend:
@@ -182,4 +194,5 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     check_budget(budget)
-    return Backend(Partitioner(budget, solver, time_limit, deterministic, seed, workers, cache, loss_fn, device), inner)
+    return Backend(Partitioner(budget, solver, time_limit, deterministic, seed, workers, cache, loss_fn, device,
+                               share=inner == "aot_eager"), inner)

@@ -8,13 +8,16 @@ primals it reads) are the saved values. PyTorch's own `_extract_fwd_bwd_modules`
 cuts the forward and backward modules out of that graph with AOTAutograd's conventions
 (saved tensors, symbols, tangents), keeping each module's nodes in the schedule's order:
 fx frees every value after its last use, so the forward and backward hold what the
-simulator prices.
+simulator prices. A computation the plan shares runs as its op's out= overload writing
+over the input it is the last to hold, so it allocates nothing, as priced.
 """
 
 from __future__ import annotations
 
 import operator
 
+import numpy as np
+import torch
 import torch.fx as fx
 from torch._functorch.compile_utils import raise_getitems
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, _is_primal, _is_tangent
@@ -23,13 +26,32 @@ from torch.utils._pytree import arg_tree_leaves
 from optremat.compiler.joint import JointStep
 from optremat.extract import depending_on
 from optremat.graph import Graph
+from optremat.runtime.ops import out_variant
 from optremat.schedule import Schedule
 
 
+def writable(step: JointStep, graph: Graph) -> np.ndarray:
+    """The nodes of `graph` (the step's Graph, perhaps renumbered) that can write their
+    output over the input `Graph.shareable` names: an op with an out= overload whose
+    output has that input's shape, dtype and strides, the input an op's result (not a
+    primal or an output's gradient, which the caller may still hold)."""
+    nodes = [step.nodes.get(name) for name in graph.names]
+    mask = np.zeros(graph.n, dtype=bool)
+    for k in np.nonzero(graph.shareable >= 0)[0].tolist():
+        node, source = nodes[k], nodes[int(graph.shareable[k])]
+        if node is None or source is None or source.op != "call_function" or out_variant(node.target) is None:
+            continue
+        out, into = node.meta.get("val"), source.meta.get("val")
+        mask[k] = (isinstance(out, torch.Tensor) and isinstance(into, torch.Tensor) and out.shape == into.shape
+                   and out.dtype == into.dtype and out.stride() == into.stride())
+    return mask
+
+
 def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Schedule,
-              num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+              num_fwd_outputs: int, shared: dict[int, int] | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward modules that run `schedule` (of `graph`, the step's
-    Graph perhaps renumbered) on `joint`'s ops."""
+    Graph perhaps renumbered) on `joint`'s ops; each computation in `shared` (an event
+    index) writes its output over the input node it names (see `writable`)."""
     nodes = [step.nodes.get(name) for name in graph.names]
     readers = depending_on(graph, [i for i, n in enumerate(nodes) if n is not None and _is_tangent(n)])
     new = fx.Graph()
@@ -41,12 +63,19 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
     first: dict[fx.Node, fx.Node] = {}
     saved: dict[fx.Node, None] = {}
     in_forward = True
-    for k, s, _ in schedule.events:
+    shared = shared or {}
+    for event, (k, s, _) in enumerate(schedule.events):
         node = nodes[k]
         if node is None or node.op != "call_function":
             continue
         in_forward = in_forward and not readers[s]
         copy = new.node_copy(node, lambda arg: current[arg])
+        if event in shared:
+            copy.target, out = out_variant(node.target)
+            copy.kwargs = {**copy.kwargs, out: current[nodes[shared[event]]]}
+            if not in_forward:
+                # PyTorch's extraction keeps a mutating op in the forward unless it is tagged backward
+                copy.meta["partitioner_tag"] = "is_backward"
         current[node] = copy
         first.setdefault(node, copy)
         if in_forward or (node.target is operator.getitem and copy.args[0] in forward):
