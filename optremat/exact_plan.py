@@ -16,13 +16,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.budget import InfeasibleBudget
-from optremat.coarsen import coarsen
+from optremat.coarsen import Coarsened, coarsen
 from optremat.extract import Traced, after_output_gradient
 from optremat.graph import Graph
 from optremat.order import best_order
 from optremat.plan import Plan
-from optremat.schedule import from_computations, keep_all, simulate
-from optremat.solution import Progress
+from optremat.schedule import Schedule, SimResult, from_computations, keep_all, simulate
+from optremat.solution import Progress, Solution
 from optremat.solve import best_heuristic, solve
 
 EXACT_ATTEMPTS = 4
@@ -60,7 +60,6 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
     last try. `share` prices ops writing over inputs they are the last to read, as the
     exact runtime and compiled graphs run them."""
     started = time.perf_counter() if started is None else started
-    baseline = simulate(graph, keep_all(graph)).peak_bytes
     coarse = coarsen(graph)
     target, deadline, smallest, best = budget_bytes, started + time_limit, None, None
     fits_at, fails_at = None, None
@@ -81,8 +80,7 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
                     break
                 raise InfeasibleBudget(budget_bytes, least, f"{solver} (on the coarsened graph)") from None
             exhausted = True
-        expanded = coarse.expand(solution.schedule)
-        fine = from_computations(coarse.fine, [(i, s) for i, s, _ in expanded.events if s != i])
+        fine = _expanded(coarse, solution)
         result = simulate(coarse.fine, fine, share=share)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
         if result.peak_bytes <= budget_bytes and (best is None or result.cost < best[2].cost):
@@ -97,10 +95,33 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
                   else (fits_at + fails_at) // 2)
     if best is None:
         raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
-    solution, fine, result = best
+    return _step_plan(graph, coarse.fine, *best, budget_bytes, started, runtime)
+
+
+def least_plan(graph: Graph, *, share: bool = True, runtime: str = "exact") -> Plan:
+    """The least-peak plan the heuristics find on the coarsened graph, expanded to every
+    op: it exists whatever the budget and is found the same way every time, so the peak
+    it reaches is a smallest budget that planning again at it always meets."""
+    started = time.perf_counter()
+    coarse = coarsen(graph)
+    reached = best_heuristic(coarse.coarse, 0)[1]
+    solution = best_heuristic(coarse.coarse, reached)[0]
+    fine = _expanded(coarse, solution)
+    result = simulate(coarse.fine, fine, share=share)
+    return _step_plan(graph, coarse.fine, solution, fine, result, result.peak_bytes, started, runtime)
+
+
+def _expanded(coarse: Coarsened, solution: Solution) -> Schedule:
+    """A coarse plan on every op, each tensor kept only until the last read it serves."""
+    expanded = coarse.expand(solution.schedule)
+    return from_computations(coarse.fine, [(i, s) for i, s, _ in expanded.events if s != i])
+
+
+def _step_plan(graph: Graph, fine_graph: Graph, solution: Solution, schedule: Schedule, result: SimResult,
+               budget_bytes: int, started: float, runtime: str) -> Plan:
     total = graph.total_cost
-    return Plan(graph=coarse.fine, schedule=fine, regions=(), model_fingerprint="", budget_bytes=budget_bytes,
-                predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
+    return Plan(graph=fine_graph, schedule=schedule, regions=(), model_fingerprint="", budget_bytes=budget_bytes,
+                predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
                 predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
                 lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
                 solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,

@@ -81,6 +81,21 @@ def test_compiled_step_fits_each_budget_with_eager_gradients(name: str, batch: i
     assert peaks == sorted(peaks, reverse=True)
 
 
+@pytest.mark.parametrize("name", ["mlp-tiny", "resnet-tiny"])
+def test_the_smallest_budget_an_infeasible_compile_names_compiles(name: str) -> None:
+    example = build(name)
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    expected = step(model, inputs, loss_fn)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed:
+        step(torch.compile(model, backend=optremat.compile_backend(0.05, inner="aot_eager", solver="greedy"),
+                           dynamic=False), inputs, loss_fn)
+    smallest = failed.value.inner_exception.smallest
+    torch._dynamo.reset()
+    backend = optremat.compile_backend(smallest, inner="aot_eager", solver="greedy")
+    assert_same_step(expected, step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn))
+    assert backend.plans[0].predicted_peak_bytes <= smallest
+
+
 def test_batch_norm_statistics_update_once() -> None:
     example = build("resnet-tiny")
     reference = build("resnet-tiny")

@@ -27,7 +27,7 @@ from optremat.compiler.joint import JointStep, read_joint
 from optremat.compiler.partition import partition, writable
 from optremat.costs import DeviceProfile, device_profile, profile_for
 from optremat.fingerprint import package_version
-from optremat.exact_plan import EXACT_ATTEMPTS, plan_step
+from optremat.exact_plan import EXACT_ATTEMPTS, least_plan, plan_step
 from optremat.plan import Plan
 from optremat.graph import Graph
 from optremat.schedule import Schedule, simulate, without_recomputing
@@ -101,36 +101,41 @@ class Partitioner(CustomPartitionerFn):
             return found
 
     def _solve(self, step: JointStep, budget_bytes: int) -> Plan:
-        """Solve, then drop whatever reruns of fixed ops the plan placed (keeping their one
-        computation instead) and price the result; when that peaks over the budget, solve
-        again with the budget reduced by the excess."""
+        """Solve and price the plan as compiled (`_as_compiled`); when that peaks over the
+        budget, solve again with the budget reduced by the excess. When no solve fits,
+        the heuristics' least-peak plan is the last try, and its peak the smallest budget
+        named: compiling again at it always finds that plan."""
         started = time.perf_counter()
-        fixed = dict(zip(step.graph.names, step.fixed.tolist()))
-        target, smallest = budget_bytes, None
+        target = budget_bytes
         for _ in range(EXACT_ATTEMPTS):
             try:
                 found = plan_step(step.graph, target, solver=self.solver, time_limit=self.time_limit,
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,
                                   started=started, share=self.share, runtime="compiled")
-            except InfeasibleBudget as error:
-                raise InfeasibleBudget(budget_bytes, min(error.smallest, smallest or error.smallest),
-                                       f"{self.solver} in a compiled step") from None
-            planned = found.graph
-            schedule = without_recomputing(planned, found.schedule, np.array([fixed[n] for n in planned.names]))
-            result = simulate(planned, schedule, share=self._shares(step, planned, schedule))
-            if result.peak_bytes <= budget_bytes:
-                dropped = len(schedule.node) < len(found.schedule.node)
-                return replace(found, graph=planned, schedule=schedule, budget_bytes=budget_bytes,
-                               status=FEASIBLE if dropped and found.status == OPTIMAL else found.status,
-                               predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead,
-                               solver_overhead=result.overhead, lower_bound=None,
-                               shared=tuple(sorted(result.shared.items())),
-                               solve_seconds=time.perf_counter() - started,
-                               loss="priced by loss_fn on the outputs that take a gradient" if self.loss_fn else
-                               "not given: priced as a cross-entropy over the last dimension of the largest output")
-            smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
-            target -= result.peak_bytes - budget_bytes
-        raise InfeasibleBudget(budget_bytes, smallest, f"{self.solver} in a compiled step")
+            except InfeasibleBudget:
+                break
+            compiled = self._as_compiled(step, found)
+            if compiled.predicted_peak_bytes <= budget_bytes:
+                return replace(compiled, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started)
+            target -= compiled.predicted_peak_bytes - budget_bytes
+        least = self._as_compiled(step, least_plan(step.graph, share=self.share, runtime="compiled"))
+        if least.predicted_peak_bytes <= budget_bytes:
+            return replace(least, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started)
+        raise InfeasibleBudget(budget_bytes, least.predicted_peak_bytes, f"{self.solver} in a compiled step")
+
+    def _as_compiled(self, step: JointStep, found: Plan) -> Plan:
+        """`found` as the compiled graphs run it: reruns of fixed ops dropped (their one
+        computation kept instead), computations shared where the graphs can, priced."""
+        planned = found.graph
+        fixed = dict(zip(step.graph.names, step.fixed.tolist()))
+        schedule = without_recomputing(planned, found.schedule, np.array([fixed[n] for n in planned.names]))
+        result = simulate(planned, schedule, share=self._shares(step, planned, schedule))
+        dropped = len(schedule.node) < len(found.schedule.node)
+        return replace(found, schedule=schedule, status=FEASIBLE if dropped and found.status == OPTIMAL else found.status,
+                       predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead,
+                       solver_overhead=result.overhead, lower_bound=None, shared=tuple(sorted(result.shared.items())),
+                       loss="priced by loss_fn on the outputs that take a gradient" if self.loss_fn else
+                       "not given: priced as a cross-entropy over the last dimension of the largest output")
 
     def _shares(self, step: JointStep, graph: Graph, schedule: Schedule) -> frozenset[int]:
         """The computations of `schedule` that write over an input they are the last to
