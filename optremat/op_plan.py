@@ -1,69 +1,49 @@
-"""Plans that run on every op as scheduled: the exact runtime's and compiled graphs'.
+"""Plans that run on every op as scheduled, as compiled graphs run them.
 
 `plan_step` solves a step graph on its coarsened form and expands the schedule back to
-every op, solving again with a smaller budget when the expanded plan peaks over it;
-`solve_exact` does so for a traced model step, with room for the loss computed outside it.
+every op, solving again with another budget when the expanded plan peaks over it or
+leaves room unused; `least_plan` is the least-peak plan the heuristics find.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from typing import Any
-
-import numpy as np
-import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from optremat.budget import InfeasibleBudget
 from optremat.coarsen import Coarsened, coarsen
-from optremat.extract import Traced, after_output_gradient
 from optremat.graph import Graph
-from optremat.order import best_order
 from optremat.plan import Plan
 from optremat.schedule import Schedule, SimResult, from_computations, keep_all, simulate
-from optremat.solution import Progress, Solution
+from optremat.solution import HEURISTIC, Progress, Solution
 from optremat.solve import best_heuristic, solve
 
-EXACT_ATTEMPTS = 4
+ATTEMPTS = 4
 """Solves tried per plan, each with the budget moved by the last plan's excess or slack."""
 SLACK = 0.005
 """A plan that leaves more than this share of its budget unused is solved again with more."""
 
 
-def solve_exact(model: nn.Module, traced: Traced, graph: Graph, inputs: tuple, budget_bytes: int, *, solver: str,
-                 order: str, loss: int, **options: Any) -> Plan:
-    """`plan_step` for the exact runtime: `graph` is the traced step with room for a loss
-    of `loss` bytes computed outside it (`with_loss`), run in its traced order or, with
-    `order="best"`, in the order that lowers its unplanned peak."""
-    baseline = simulate(graph, keep_all(graph)).peak_bytes
-    if order == "best":
-        leaves = leaf_count(model, inputs)
-        graph = with_loss(best_order(traced.graph, after_output_gradient(traced.graph, traced, leaves))[0],
-                           traced, leaves, loss)
-    found = plan_step(graph, budget_bytes, solver=solver, **options)
-    return replace(found, baseline_peak_bytes=baseline, traced=traced)
-
-
 def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_limit: float = 30.0, workers: int = 0,
               seed: int = 0, deterministic: bool = False, progress: Progress | None = None,
-              started: float | None = None, share: bool = True, runtime: str = "exact") -> Plan:
+              started: float | None = None, share: bool = True) -> Plan:
     """A plan that runs on every op of `graph` as scheduled (each op computed where the
     schedule puts it, any number of times), solved on the coarsened graph and expanded
     to every op, each tensor kept only until the last read it serves.
 
     The coarse model's peak differs from the expanded plan's, so the budget the solver
-    is given moves by the difference: down when the plan peaks over the budget, up when
-    it leaves more than SLACK of it unused; the cheapest plan that fits wins. Once the
+    is given moves by the difference, down when the plan peaks over the budget and up
+    when it leaves more than SLACK of it unused (starting from the plan that fit), then
+    halfway between the largest that fit and the smallest that did not; the cheapest
+    plan that fits wins. Once the
     solver finds no plan (or none in time), the best heuristic plan within the budget,
     or else at the smallest budget the solver names (or the heuristics reach), is the
-    last try. `share` prices ops writing over inputs they are the last to read, as the
-    exact runtime and compiled graphs run them."""
+    last try. `share` prices ops writing over inputs they are the last to read, as
+    compiled graphs run them."""
     started = time.perf_counter() if started is None else started
     coarse = coarsen(graph)
     target, deadline, smallest, best = budget_bytes, started + time_limit, None, None
     fits_at, fails_at = None, None
-    for _ in range(EXACT_ATTEMPTS):
+    for _ in range(ATTEMPTS):
         remaining = time_limit if deterministic else max(deadline - time.perf_counter(), 1.0)
         exhausted = False
         try:
@@ -95,20 +75,28 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
                   else (fits_at + fails_at) // 2)
     if best is None:
         raise InfeasibleBudget(budget_bytes, smallest, f"{solver} on every op")
-    return _step_plan(graph, coarse.fine, *best, budget_bytes, started, runtime)
+    return _step_plan(graph, coarse.fine, *best, budget_bytes, started)
 
 
-def least_plan(graph: Graph, *, share: bool = True, runtime: str = "exact") -> Plan:
+def least_plan(graph: Graph, *, share: bool = True) -> Plan:
     """The least-peak plan the heuristics find on the coarsened graph, expanded to every
     op: it exists whatever the budget and is found the same way every time, so the peak
     it reaches is a smallest budget that planning again at it always meets."""
     started = time.perf_counter()
     coarse = coarsen(graph)
-    reached = best_heuristic(coarse.coarse, 0)[1]
-    solution = best_heuristic(coarse.coarse, reached)[0]
+    budget = best_heuristic(coarse.coarse, 0)[1] or 0
+    for _ in range(ATTEMPTS):
+        solution, reached = best_heuristic(coarse.coarse, budget)
+        if solution is not None:
+            break
+        # a heuristic that once reached `budget` may not meet it when asked to
+        budget = max(reached or 0, int(budget * 1.01) + 1)
+    else:
+        solution = Solution(schedule=keep_all(coarse.coarse), solver="unplanned", status=HEURISTIC,
+                            cost=coarse.coarse.total_cost, lower_bound=None, seconds=0.0)
     fine = _expanded(coarse, solution)
     result = simulate(coarse.fine, fine, share=share)
-    return _step_plan(graph, coarse.fine, solution, fine, result, result.peak_bytes, started, runtime)
+    return _step_plan(graph, coarse.fine, solution, fine, result, result.peak_bytes, started)
 
 
 def _expanded(coarse: Coarsened, solution: Solution) -> Schedule:
@@ -118,29 +106,11 @@ def _expanded(coarse: Coarsened, solution: Solution) -> Schedule:
 
 
 def _step_plan(graph: Graph, fine_graph: Graph, solution: Solution, schedule: Schedule, result: SimResult,
-               budget_bytes: int, started: float, runtime: str) -> Plan:
+               budget_bytes: int, started: float) -> Plan:
     total = graph.total_cost
     return Plan(graph=fine_graph, schedule=schedule, regions=(), model_fingerprint="", budget_bytes=budget_bytes,
                 predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
                 predicted_overhead=result.overhead, solver=solution.solver, status=solution.status,
                 lower_bound=None if solution.lower_bound is None else solution.lower_bound / total - 1,
                 solve_seconds=time.perf_counter() - started, solver_overhead=result.overhead,
-                runtime=runtime, shared=tuple(sorted(result.shared.items())))
-
-
-def leaf_count(model: nn.Module, inputs: tuple) -> int:
-    """The traced step's leading placeholders: parameters, buffers and input tensors."""
-    return len(dict(model.named_parameters())) + len(dict(model.named_buffers())) + len(tree_leaves(inputs))
-
-
-def with_loss(graph: Graph, traced: Traced, leaves: int, loss: int) -> Graph:
-    """`graph`, a step traced without its loss, with the loss's `loss` bytes as the
-    workspace of the first op that reads the output's gradient: the exact runtime leaves
-    the loss to eager autograd between its forward and its backward, so that is when
-    those bytes are live."""
-    if not loss:
-        return graph
-    workspace = graph.workspace.copy()
-    workspace[int(np.argmax(after_output_gradient(graph, traced, leaves)))] += loss
-    workspace.flags.writeable = False
-    return replace(graph, workspace=workspace)
+                runtime="compiled", shared=tuple(sorted(result.shared.items())))
