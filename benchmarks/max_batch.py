@@ -94,7 +94,7 @@ def main() -> None:
     OUT.write_text("# Max batch: unplanned vs planned\n\n"
                    f"Machine: {machine()}. Command: `python -m benchmarks.max_batch --cases {args.cases} "
                    f"--max-overhead {args.max_overhead} --limit {args.limit:g}`. Peaks are simulated on every op "
-                   "(parameters and gradients included); a planned batch's schedule (run as it is by the exact runtime) "
+                   "(parameters and gradients included); a planned batch's schedule (run as it is in compiled graphs) "
                    "must fit with at most the overhead cap of extra compute (roofline costs, interpolated across batch "
                    "sizes).\n\n" + text + "\n")
     print(f"wrote {OUT}")

@@ -134,11 +134,11 @@ def main() -> None:
                 "`vs` names the baseline of the overhead.", "", peers.rockmate_status(), "", every, "", caption,
                 "", "![memory over time](memory_over_time.png)")
     if "runtime" in sections:
-        section("Plans executed: predicted vs measured peak and step time (both runtimes)",
-                f"Models {', '.join(config.runtime_models)}, both runtimes, at 30–90% of the unplanned peak; "
+        section("Plans executed: predicted vs measured peak and step time",
+                f"Models {', '.join(config.runtime_models)}, at 30–90% of the unplanned peak; "
                 f"solver limit {config.runtime_limit:g} s; {config.runs} interleaved timing pairs. "
                 f"{runtime.DESCRIPTION}", "",
-                runtime.section(list(config.runtime_models), ["native", "exact"], [0.3, 0.5, 0.7, 0.9],
+                runtime.section(list(config.runtime_models), [0.3, 0.5, 0.7, 0.9],
                                 config.runtime_limit, config.runs))
     if "planners" in sections:
         text = planners.models_section(list(config.plan_models), config.plan_limit, config.plan_fractions, cells,
@@ -184,7 +184,7 @@ def main() -> None:
                 f"must meet; greedy by size is memonger's / TFLite's strategy; CP-SAT (no-overlap 2-D, limit "
                 f"{config.plan_limit:g} s, hinted with greedy) is exact when it reports OPTIMAL. The last column is the "
                 "same schedule's peak when every pointwise op that is the last reader of a same-sized input writes "
-                "over it (the exact runtime does so through the op's out= overload).", "",
+                "over it (compiled graphs do so under aot_eager through the op's out= overload).", "",
                 layout.section(list(config.plan_models), 0.7, config.plan_limit), "",
                 "Sharing as a decision of the solver, on every op of the small built-in models (the solvers plan "
                 "realistic models on the coarsened graph, where the pointwise ops that could share are folded into "
@@ -195,9 +195,9 @@ def main() -> None:
                 layout.share_section(list(layout.SHARE_MODELS), 0.9, config.plan_limit), "",
                 "Execution order: the traced order against the one `optremat.order.best_order` picks (greedy "
                 "least-net-bytes list scheduling, in-place ops kept after the readers of what they overwrite; kept "
-                "only where the unplanned peak drops). The budget is 70% of the traced order's unplanned peak. The "
-                "exact runtime runs a reordered plan (`order=\"best\"`); the native runtime keeps the model's own "
-                "order.", "",
+                "only where the unplanned peak drops). The budget is 70% of the traced order's unplanned peak. "
+                "Compiled graphs run a reordered plan (`compile_backend(..., order=\"best\")`); the native runtime "
+                "keeps the model's own order.", "",
                 layout.order_section(list(config.plan_models), 0.7, config.plan_limit))
     command = " ".join([mode] + ([f"--sections {args.sections}"] if sections != list(SECTIONS) else [])
                        + ([f"--out {args.out}"] if args.out != "RESULTS.md" else []))

@@ -1,9 +1,9 @@
-"""Plans executed: predicted vs measured peak and step-time overhead of both runtimes.
+"""Plans executed: predicted vs measured peak and step-time overhead of the runtime.
 
     python -m benchmarks.runtime [--models gpt-tiny,resnet-tiny,...] [--budgets 0.3,0.5,0.7,0.9]
-                                 [--runtimes native,exact] [--limit 30] [--runs 5] [--out runtime.md]
+                                 [--limit 30] [--runs 5] [--out runtime.md]
 
-For each built-in model, runtime and budget (a fraction of the unplanned simulated peak)
+For each built-in model and budget (a fraction of the unplanned simulated peak)
 it plans with `optremat.plan(..., solver="auto")`, applies the plan, and runs float32
 training steps on the CPU: the measured peak (profiler memory events) against the plan's
 predicted peak, and the step-time overhead as the median, over `runs` interleaved pairs,
@@ -30,32 +30,30 @@ from optremat.runtime.measure import measure_peak
 
 OUT = Path(__file__).with_name("runtime.md")
 DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
-HEADER = ["model", "runtime", "budget", "plan", "predicted peak", "measured peak", "measured vs predicted",
+HEADER = ["model", "budget", "plan", "predicted peak", "measured peak", "measured vs predicted",
           "measured / budget", "predicted overhead", "measured overhead (median)", "plan s"]
 DESCRIPTION = ("Budgets are fractions of the unplanned simulated peak (parameters and gradients included); where one "
-               "is infeasible, a last row plans at the smallest budget the planner reached. Both runtimes plan with "
-               "the model's loss (the exact runtime runs it outside the step and leaves room for its memory). "
-               "Measured peaks are profiler memory events (float32, CPU); overhead is the median over interleaved "
+               "is infeasible, a last row plans at the smallest budget the planner reached. Plans price the "
+               "model's loss (`loss_fn`). Measured peaks are profiler memory events (float32, CPU); overhead is the median over interleaved "
                "planned/unplanned step pairs.")
 
 
-def section(models: list[str], runtimes: list[str], budgets: list[float], limit: float, runs: int,
+def section(models: list[str], budgets: list[float], limit: float, runs: int,
             written: Callable[[str], None] | None = None) -> str:
-    """The table of every model, runtime and budget; `written`, when given, receives the
+    """The table of every model and budget; `written`, when given, receives the
     table so far after each row, so a long run leaves its finished rows behind."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     print("  ".join(HEADER), flush=True)
     for name in models:
-        for runtime in runtimes:
-            for cells in rows(name, runtime, budgets, limit, runs):
-                print("  ".join(cells), flush=True)
-                lines.append("| " + " | ".join(cells) + " |")
-                if written is not None:
-                    written("\n".join(lines))
+        for cells in rows(name, budgets, limit, runs):
+            print("  ".join(cells), flush=True)
+            lines.append("| " + " | ".join(cells) + " |")
+            if written is not None:
+                written("\n".join(lines))
     return "\n".join(lines)
 
 
-def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int) -> Iterator[list[str]]:
+def rows(name: str, budgets: list[float], limit: float, runs: int) -> Iterator[list[str]]:
     """One row per budget; where a budget is infeasible, a last row at the smallest
     budget the planner reached, so every model shows a plan at its tightest."""
     example = build(name)
@@ -70,12 +68,12 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
         label = f"{budget:.0%}" if isinstance(budget, float) else f"smallest ({format_bytes(budget)})"
         started = time.perf_counter()
         try:
-            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=limit, runtime=runtime)
+            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=limit)
         except optremat.InfeasibleBudget as error:
-            return [name, runtime, label, f"infeasible (smallest {format_bytes(error.smallest)}, "
+            return [name, label, f"infeasible (smallest {format_bytes(error.smallest)}, "
                     f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7, error.smallest
         except ValueError as error:
-            return [name, runtime, label, f"refused: {str(error).split(';')[0]}"] + ["-"] * 7, None
+            return [name, label, f"refused: {str(error).split(';')[0]}"] + ["-"] * 7, None
         seconds = time.perf_counter() - started
         trained = optremat.apply(model, plan)
         step(trained)
@@ -90,7 +88,7 @@ def rows(name: str, runtime: str, budgets: list[float], limit: float, runs: int)
                 run()
                 times.append(time.perf_counter() - begin)
             ratios.append(times[1] / times[0])
-        return [name, runtime, label, f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
+        return [name, label, f"{plan.solver} {plan.status}", format_bytes(plan.predicted_peak_bytes),
                 format_bytes(measured), f"{measured / plan.predicted_peak_bytes - 1:+.1%}",
                 f"{measured / plan.budget_bytes:.2f}", f"{plan.predicted_overhead:.1%}",
                 f"{statistics.median(ratios) - 1:+.1%}", f"{seconds:.1f}"], None
@@ -115,16 +113,15 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
     parser.add_argument("--limit", type=float, default=30.0, help="solver time limit per plan, seconds")
     parser.add_argument("--runs", type=int, default=5, help="interleaved timing pairs per plan")
-    parser.add_argument("--runtimes", default="native,exact")
     parser.add_argument("--out", default="runtime.md", help="file name under benchmarks/")
     args = parser.parse_args()
     out = OUT.with_name(args.out)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    intro = (f"# Runtimes: predicted vs measured (CPU, float32; {args.models})\n\n"
+    intro = (f"# The runtime: predicted vs measured (CPU, float32; {args.models})\n\n"
              f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
-             f"--runtimes {args.runtimes} --budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
+             f"--budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
              f"--out {args.out}`. {DESCRIPTION}\n\n")
-    section(args.models.split(","), args.runtimes.split(","), [float(b) for b in args.budgets.split(",")],
+    section(args.models.split(","), [float(b) for b in args.budgets.split(",")],
             args.limit, args.runs, lambda text: out.write_text(intro + text + "\n"))
     print(f"wrote {out}")
 

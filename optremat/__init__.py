@@ -16,7 +16,7 @@ _ON_FIRST_USE = {
     "ExtractionError": "optremat.extract", "extract": "optremat.extract",
     "Plan": "optremat.plan", "plan": "optremat.planning", "price_regions": "optremat.native_plan",
     "reprice": "optremat.native_plan",
-    "Planned": "optremat.runtime.apply", "apply": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
+    "apply": "optremat.runtime.apply", "Replanning": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
     "PlanMismatch": "optremat.runtime.native",
     "compile_backend": "optremat.compiler.backend", "KnapsackSolver": "optremat.compiler.knapsack",
 }
@@ -69,8 +69,8 @@ __all__ = [
     "KnapsackSolver",
     "Plan",
     "PlanMismatch",
-    "Planned",
     "Region",
+    "Replanning",
     "Schedule",
     "SOLVERS",
     "SimResult",

@@ -71,8 +71,8 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     if args.model:
         if args.share:
-            raise ValueError("--share is for --graph files; a model's plan shares whenever it runs with "
-                             "--runtime exact, and the native runtime cannot share")
+            raise ValueError("--share is for --graph files: a model's plan runs its module calls under checkpoint, "
+                             "which cannot write over inputs (compiled graphs can: optremat.compile_backend)")
         return _plan_model(args, progress)
     from optremat.budget import resolve_budget
     from optremat.solve import solve
@@ -117,8 +117,7 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     example = load(args.model)
     result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,
                   loss_fn=example.loss_fn, device=args.device,
-                  workers=args.workers, seed=args.seed, deterministic=args.deterministic, runtime=args.runtime,
-                  order=args.order,
+                  workers=args.workers, seed=args.seed, deterministic=args.deterministic,
                   progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None,
                   cache=args.cache, parallel=_parallel(args))
     if args.save:
@@ -359,10 +358,6 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--save", help="write the plan (a model) or the schedule (a graph file) as JSON")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     plan.add_argument("--cache", help="plan cache directory (a model's plan is loaded from it when present)")
-    plan.add_argument("--runtime", choices=("native", "exact"), default="native",
-                      help="what runs a model's plan: its own module calls under checkpoint, or every op as scheduled")
-    plan.add_argument("--order", choices=("traced", "best"), default="traced",
-                      help="with --runtime exact, 'best' may run independent ops in an order with a lower peak")
     plan.add_argument("--share", action="store_true",
                       help="with --graph, let pointwise ops write over an input they are the last to hold")
     plan.set_defaults(run=_plan_command)

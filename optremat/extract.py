@@ -175,37 +175,25 @@ def trace(
                   gradient_nodes)
 
 
-def loss_bytes(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor], *,
-               device: str | DeviceProfile = "cpu") -> int:
-    """The bytes a loss computed by eager autograd on the model's output adds, at its
-    peak, to the output and the output's gradient: the memory of the loss step that a
-    step traced without it (the exact runtime's) does not see."""
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    out = _fake_output(model, dict(model.named_parameters()), dict(model.named_buffers()), inputs)
-    return output_loss_bytes(out, loss_fn, device=device)
-
-
-def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, device: str | DeviceProfile = "cpu",
-                      output_released: bool = False) -> int:
-    """`loss_bytes` for a model output like `out` (tensors, real or fake, whose
-    `requires_grad` says which take a gradient). With `output_released`, the output
-    counts only while the loss reads it (a cross-entropy keeps its log-softmax, not its
-    input), as when the caller drops the model's output once it has the loss, and the
-    output's gradient counts as the loss's own (the bytes beyond the output alone);
-    otherwise the output stays alive through the loss, as the exact runtime holds it."""
+def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
+                      device: str | DeviceProfile = "cpu") -> int:
+    """The bytes a loss computed by eager autograd on a model output like `out` (tensors,
+    real or fake, whose `requires_grad` says which take a gradient) holds at its peak
+    beyond the output: the output counts only while the loss reads it (a cross-entropy
+    keeps its log-softmax, not its input), as when the caller drops the model's output
+    once it has the loss, and the output's gradient counts as the loss's own."""
     traced = trace(_Output(out), (), loss_fn, device=device)
     graph = traced.graph
     schedule = keep_all(graph)
     curve = simulate(graph, schedule).curve.astype(np.int64)
     root = graph.storage_root
-    if output_released:
-        position = np.empty(graph.n, dtype=np.int64)
-        position[schedule.node] = np.arange(len(schedule.node))
-        src, dst = graph.edges[:, 0], graph.edges[:, 1]
-        for r in np.unique(root[graph.pinned]).tolist():
-            last_read = position[dst[~graph.pinned[dst] & (root[src] == r)]].max(initial=-1)
-            curve[last_read + 1:] -= int(graph.unit_size[r])
-    held = np.unique(root[graph.pinned | graph.output] if not output_released else root[graph.pinned])
+    position = np.empty(graph.n, dtype=np.int64)
+    position[schedule.node] = np.arange(len(schedule.node))
+    src, dst = graph.edges[:, 0], graph.edges[:, 1]
+    for r in np.unique(root[graph.pinned]).tolist():
+        last_read = position[dst[~graph.pinned[dst] & (root[src] == r)]].max(initial=-1)
+        curve[last_read + 1:] -= int(graph.unit_size[r])
+    held = np.unique(root[graph.pinned])
     return max(int(curve.max()) - int(graph.unit_size[held].sum()), 0)
 
 
@@ -371,13 +359,6 @@ def _call_stack(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:
 BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
 
 
-def after_output_gradient(graph: Graph, traced: Traced, num_leaves: int) -> np.ndarray:
-    """The op nodes that depend on the model output's gradient (the step's inputs after its
-    `num_leaves` parameters, buffers and inputs): they run only after the loss."""
-    names = {n.name for n in [n for n in traced.module.graph.nodes if n.op == "placeholder"][num_leaves:]}
-    return depending_on(graph, [i for i, name in enumerate(graph.names) if name in names])
-
-
 def depending_on(graph: Graph, sources: list[int]) -> np.ndarray:
     """The op nodes that read, directly or not, one of `sources`."""
     depends = np.zeros(graph.n, dtype=bool)
@@ -434,7 +415,8 @@ def _storages(value: Any) -> dict[StorageWeakRef, int]:
             for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
 
 
-def _tensor_type(value: Any) -> str:
+def tensor_type(value: Any) -> str:
+    """The dtype and shape of each tensor in `value`, as a Graph names a node's type."""
     parts = []
     for t in tree_leaves(value):
         if isinstance(t, torch.Tensor):
@@ -497,7 +479,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
         cols["alias_of"].append(alias_of)
         cols["fusible"].append(alias_of >= 0 or _pointwise(target))
         cols["workspace"].append(workspace_bytes(node) if node.op == "call_function" else 0)
-        cols["tensor"].append(_tensor_type(value))
+        cols["tensor"].append(tensor_type(value))
     output = [False] * len(fx_nodes)
     for node in results:
         if isinstance(node, torch.fx.Node):

@@ -164,6 +164,17 @@ class Graph:
     def preds(self) -> tuple[np.ndarray, ...]:
         return self._adjacency(1, 0)
 
+    def ancestors(self, targets: Iterable[int], through: np.ndarray) -> list[int]:
+        """`targets` and every node they depend on through nodes marked in `through`, sorted."""
+        seen = set(targets)
+        stack = list(seen)
+        while stack:
+            for p in self.preds[stack.pop()].tolist():
+                if p not in seen and through[p]:
+                    seen.add(p)
+                    stack.append(p)
+        return sorted(seen)
+
     @cached_property
     def succs(self) -> tuple[np.ndarray, ...]:
         return self._adjacency(0, 1)

@@ -110,7 +110,7 @@ def reprice(plan: Plan, model: nn.Module, example_inputs: Sequence[Any] | Any,
     """A native plan's regions priced at other inputs' shapes: the same decisions, with
     the peak and overhead they have there (the budget becomes that peak)."""
     if plan.runtime != "native":
-        raise ValueError("only native plans run at other shapes; plan the exact runtime again")
+        raise ValueError(f"only native plans run at other shapes; this one is {plan.runtime!r}")
     priced = price_regions(model, example_inputs, plan.regions, loss_fn=loss_fn, parallel=plan.parallel)
     return replace(plan, graph=priced.graph, schedule=priced.schedule, budget_bytes=priced.budget_bytes,
                    predicted_peak_bytes=priced.predicted_peak_bytes, baseline_peak_bytes=priced.baseline_peak_bytes,

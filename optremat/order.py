@@ -7,8 +7,8 @@ accumulated as soon as its inputs exist, a branch finished before the next start
 bytes net of what it lets free (the list-scheduling counterpart of memonger's
 longest-path ordering), and never moves an in-place op before an op that reads the
 storage it overwrites; `best_order` keeps it only where `simulate()` confirms a lower
-unplanned peak. Planners then run on the reordered graph like any other, and the exact
-runtime executes it (`plan(..., runtime="exact", order="best")`).
+unplanned peak. Planners then run on the reordered graph like any other, and compiled
+graphs run it (`compile_backend(..., order="best")`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def reorder(graph: Graph, order: np.ndarray) -> Graph:
     alias = graph.alias_of[order]
     columns = {name: [getattr(graph, name)[i] for i in order.tolist()]
                for name in ("names", "ops", "kind", "module", "cost", "size", "backward", "output", "fusible",
-                            "workspace")}
+                            "workspace", "held")}
     return Graph.build(edges=[(int(new[a]), int(new[b])) for a, b in graph.edges.tolist()],
                        alias_of=np.where(alias >= 0, new[np.maximum(alias, 0)], -1).tolist(),
                        tensor=[graph.tensor[i] for i in order.tolist()] if len(graph.tensor) == graph.n else None,
@@ -45,8 +45,8 @@ RANDOM = re.compile(r"(bernoulli|native_dropout|rand|randn|randint|rand_like|ran
 def min_memory_order(graph: Graph, late: np.ndarray | None = None) -> np.ndarray:
     """A topological order that greedily keeps live bytes low (ties keep the traced order).
 
-    Nodes marked in `late` run only after every other op (the exact runtime's backward
-    cannot start before the model's output exists), and random ops keep their traced
+    Nodes marked in `late` run only after every other op (a compiled step's backward
+    cannot start before the loss has run on the model's output), and random ops keep their traced
     order, so each draws the numbers it drew when traced."""
     n = graph.n
     root = np.arange(n)

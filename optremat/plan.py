@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from optremat.extract import Traced
 from optremat.graph import Graph, format_bytes
 from optremat.ilp.layout import ALIGNMENT, layout
 from optremat.regions import Region
@@ -18,7 +17,6 @@ from optremat.schedule import Schedule
 from optremat.sharding import DDP, FSDP, Parallel
 
 FORMAT_VERSION = 3
-RUNTIMES = ("native", "exact")
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,15 +24,14 @@ class Plan:
     """A plan for one model: what to keep, what to recompute, and its price at one input shape.
 
     `predicted_peak_bytes` and `predicted_overhead` are the simulated numbers of the
-    schedule its `runtime` executes at the shape it was priced for (`graph`); a native
-    plan's `regions` are keyed by module call and op occurrence, so it runs at any shape
-    (`optremat.reprice` prices it at another). `status` is OPTIMAL only when the solver proved its
+    schedule its `runtime` executes at the shape it was priced for (`graph`): "native"
+    (`optremat.apply` checkpoints its `regions`, keyed by module call and op occurrence,
+    so it runs at any shape; `optremat.reprice` prices it at another) or "compiled" (the
+    forward and backward graphs of one torch.compile region). `status` is OPTIMAL only when the solver proved its
     plan optimal and running it as regions lost nothing; `lower_bound` is the solver's
     proven lower bound on the overhead, in the planning model (the coarsened graph, each
     op computed at most a few times), or None when nothing is proven. `loss` says how the
-    loss computed after the model was priced. An exact plan made in this process carries
-    the step it was traced from (`traced`), which its runtime then runs without tracing again.
-    A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
+    loss computed after the model was priced. A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
     """
 
     graph: Graph
@@ -57,7 +54,6 @@ class Plan:
     loss: str = ""
     parallel: Parallel | None = None
     cached: bool = field(default=False, compare=False)
-    traced: Traced | None = field(default=None, repr=False, compare=False)
 
     @property
     def fingerprint(self) -> str:
@@ -66,7 +62,7 @@ class Plan:
 
     def decisions(self) -> dict[str, str]:
         """For every forward op of the model: keep, recompute, share (a view or in-place
-        result that holds another tensor's storage, or an op the exact runtime runs over
+        result that holds another tensor's storage, or an op a compiled graph runs over
         the storage of an input it is the last to read) or free (the backward never reads it)."""
         graph = self.graph
         recomputed = {i for i, s, _ in self.schedule.events if s != i}
@@ -94,8 +90,8 @@ class Plan:
         lowering = f" ({lost:+.2%} from running it as module regions)" if abs(lost) > 5e-5 else ""
         selective = sum(bool(r.saved) for r in self.regions)
         how = {"native": f"{len(self.regions)} module calls checkpointed, {selective} of them saving chosen ops",
-               "exact": f"exact runtime (op by op; {len(self.shared)} ops write over inputs they read last)",
-               "compiled": "torch.compile's forward and backward graphs run the schedule op by op"}[self.runtime]
+               "compiled": f"torch.compile's forward and backward graphs run the schedule op by op "
+                           f"({len(self.shared)} ops write over inputs they read last)"}[self.runtime]
         arena = layout(self.graph, self.schedule, "greedy")
         return "\n".join([
             f"budget {format_bytes(self.budget_bytes)}: predicted peak {format_bytes(self.predicted_peak_bytes)} "
@@ -193,12 +189,8 @@ def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
     return kinds[data["kind"]](**fields)
 
 
-def loss_note(loss_fn: Callable | None, runtime: str = "native") -> str:
-    """How a plan for `runtime` priced the loss computed after the model (`Plan.loss`)."""
-    if runtime == "exact":
-        return ("room left for it (loss_fn)" if loss_fn is not None else
-                "not given: the output's gradient is priced as an input of the backward and the loss as holding "
-                "nothing more; pass loss_fn to price it")
+def loss_note(loss_fn: Callable | None) -> str:
+    """How a native plan priced the loss computed after the model (`Plan.loss`)."""
     if loss_fn is None:
         return ("not given: priced as a cross-entropy over the last dimension of the largest output (a log-softmax "
                 "and two gradients of its size); pass loss_fn to price another")

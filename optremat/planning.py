@@ -1,10 +1,9 @@
 """`plan()`: from a model, example inputs and a budget to a Plan a runtime executes.
 
-The solvers plan on the coarsened graph. The native runtime (the default) runs module
-calls of the user's model under checkpoint with selective policies, so its plans are
-region plans (`optremat.native_plan`). The exact runtime runs the solver's schedule op
-by op as it is (`optremat.exact_plan`). Here: checking the request, tracing the step,
-resolving the budget and the plan cache.
+The solvers plan on the coarsened graph. The runtime runs module calls of the user's
+model under checkpoint with selective policies, so plans are region plans
+(`optremat.native_plan`). Here: checking the request, tracing the step, resolving the
+budget and the plan cache.
 """
 
 from __future__ import annotations
@@ -20,12 +19,11 @@ import torch.nn as nn
 from optremat.budget import ACCEPTED, resolve_budget
 from optremat.cache import PlanCache
 from optremat.costs import model_device
-from optremat.exact_plan import leaf_count, solve_exact, with_loss
-from optremat.extract import assumed_loss, loss_bytes, trace
+from optremat.extract import assumed_loss, trace
 from optremat.fingerprint import model_fingerprint, package_version
 from optremat.graph import format_bytes
 from optremat.native_plan import region_map, solve_native
-from optremat.plan import RUNTIMES, Plan, loss_note
+from optremat.plan import Plan, loss_note
 from optremat.sharding import DDP, FSDP, Parallel
 from optremat.solution import Progress
 from optremat.solve import SOLVERS
@@ -35,83 +33,70 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
          deterministic: bool = False, progress: Progress | None = None, cache: str | Path | None = None,
-         runtime: str = "native", order: str = "traced", parallel: Parallel | None = None) -> Plan:
+         parallel: Parallel | None = None) -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
     peak; it bounds the step's peak with parameters and gradients included. Raises
-    InfeasibleBudget naming the smallest budget found when no plan fits. `progress`, if
-    given, is called as the exact solver improves: (seconds, overhead, proven lower bound
-    on the overhead). `cache`, a directory, keeps plans across runs: a second call for the
-    same model, shapes, budget and options loads the plan and runs no solver.
-    `deterministic=True` gives the exact solver `time_limit` of deterministic time
-    instead of seconds, so that the same call returns the same plan on any machine load.
-
-    `runtime` picks what executes the plan, and so what is planned: "native" (module calls
-    of the user's model under checkpoint with selective policies; `loss_fn` folds the loss
-    into what is planned) or "exact" (the whole traced step op by op, so the solver's
-    schedule runs as it is; the loss runs outside it, and `loss_fn` makes the plan leave
-    room for the loss's memory). Without `loss_fn`, a native plan prices the loss as a
-    cross-entropy over the output's last dimension (`extract.assumed_loss`) and an exact
-    plan as holding nothing beyond the output's gradient; `summary()` says which. With the
-    exact runtime, `order="best"` also lets the step run its independent ops in another
-    order where that lowers the unplanned peak (`optremat.order.best_order`).
+    InfeasibleBudget naming the smallest budget found when no plan fits. The plan runs
+    module calls of the user's model under checkpoint with selective policies
+    (`optremat.apply`); `loss_fn` folds the loss into what is planned, and without it the
+    loss is priced as a cross-entropy over the output's last dimension
+    (`extract.assumed_loss`); `summary()` says which. `progress`, if given, is called as
+    the exact solver improves: (seconds, overhead, proven lower bound on the overhead).
+    `cache`, a directory, keeps plans across runs: a second call for the same model,
+    shapes, budget and options loads the plan and runs no solver. `deterministic=True`
+    gives the exact solver `time_limit` of deterministic time instead of seconds, so
+    that the same call returns the same plan on any machine load. `parallel` plans one
+    rank of an FSDP2 or DDP job (`optremat.FSDP`, `optremat.DDP`).
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    if runtime not in RUNTIMES:
-        raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    if order not in ("traced", "best"):
-        raise ValueError(f"unknown order {order!r}; choose traced or best")
-    if order == "best" and runtime != "exact":
-        raise ValueError("only the exact runtime runs ops in another order than traced: use runtime='exact'")
-    if parallel is not None:
-        if not isinstance(parallel, (FSDP, DDP)):
-            raise TypeError(f"parallel must be optremat.FSDP or optremat.DDP, not {type(parallel).__name__}")
-        if runtime != "native":
-            raise ValueError("data-parallel plans run on the native runtime: FSDP and DDP wrap the model's own modules")
-        if parallel.world < 1:
-            raise ValueError(f"{type(parallel).__name__}(world=...) must name the number of ranks; inside an "
-                             "initialized process group, optremat.distributed.plan fills it in")
+    _check(solver, parallel)
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     device_name = device or model_device(model)
-    folded = (loss_fn or assumed_loss) if runtime == "native" else None
-    traced = trace(model, inputs, folded, cost_model=cost_model, device=device_name)
-    loss = 0 if loss_fn is None or folded else loss_bytes(model, inputs, loss_fn, device=device_name)
-    rmap = region_map(traced, model, device_name, parallel) if runtime == "native" else None
-    graph = rmap.graph if rmap is not None else with_loss(traced.graph, traced, leaf_count(model, inputs), loss)
+    traced = trace(model, inputs, loss_fn or assumed_loss, cost_model=cost_model, device=device_name)
+    rmap = region_map(traced, model, device_name, parallel)
+    graph = rmap.graph
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
     if budget_bytes < floor:
         raise ValueError(f"budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} of parameters, "
                          f"inputs and gradients that every step holds; {ACCEPTED}, at least that")
-    options = dict(solver=solver, time_limit=time_limit, workers=workers, seed=seed, deterministic=deterministic,
-                   started=started,
-                   progress=None if progress is None else _relative(progress, graph.total_cost))
 
     def solved() -> Plan:
-        if runtime == "exact":
-            found = solve_exact(model, traced, graph, inputs, budget_bytes, order=order, loss=loss, **options)
-        else:
-            found = solve_native(rmap, budget_bytes, **options)
+        found = solve_native(rmap, budget_bytes, solver=solver, time_limit=time_limit, workers=workers, seed=seed,
+                             deterministic=deterministic, started=started,
+                             progress=None if progress is None else _relative(progress, graph.total_cost))
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
-                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn, runtime), parallel=parallel)
+                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn), parallel=parallel)
 
     if cache is None:
         return solved()
     store = PlanCache(cache)
     key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
-                    seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name), training=model.training,
-                    runtime=runtime, order=order, version=package_version(),
+                    seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name),
+                    training=model.training, version=package_version(),
                     parallel=None if parallel is None else parallel.describe())
     with store.locked(key):
         hit = store.get(key, time_limit, Plan.from_json)
         if hit is not None:
-            return replace(hit, traced=traced if runtime == "exact" else None, cached=True)
+            return replace(hit, cached=True)
         result = solved()
         store.put(key, result.to_json(), time_limit)
         return result
+
+
+def _check(solver: str, parallel: Parallel | None) -> None:
+    """Refuse a request `plan` cannot serve before tracing anything."""
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if parallel is None:
+        return
+    if not isinstance(parallel, (FSDP, DDP)):
+        raise TypeError(f"parallel must be optremat.FSDP or optremat.DDP, not {type(parallel).__name__}")
+    if parallel.world < 1:
+        raise ValueError(f"{type(parallel).__name__}(world=...) must name the number of ranks; inside an "
+                         "initialized process group, optremat.distributed.plan fills it in")
 
 
 def _relative(progress: Progress, total: float) -> Progress:

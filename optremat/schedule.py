@@ -122,11 +122,12 @@ def from_kept(graph: Graph, kept: np.ndarray, *, reuse: bool = False) -> Schedul
         available = kept | graph.backward
         computations = []
         for t in np.nonzero(graph.backward)[0].tolist():
-            needed = _unkept_ancestors(graph, t, available)[:-1]
+            needed = graph.ancestors([t], ~available)[:-1]
             computations += [(i, t) for i in needed]
             available[needed] = True
         return from_computations(graph, computations)
-    runs = [_unkept_ancestors(graph, t, kept) for t in range(graph.n)]
+    unkept = ~kept
+    runs = [graph.ancestors([t], unkept) for t in range(graph.n)]
     last = np.arange(graph.n)
     for t, nodes in enumerate(runs):
         for k in nodes:
@@ -183,17 +184,6 @@ def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
     return kept
 
 
-def _unkept_ancestors(graph: Graph, t: int, kept: np.ndarray) -> list[int]:
-    """`t` and every ancestor reachable through nodes that are not kept."""
-    seen = {t}
-    stack = [t]
-    while stack:
-        for p in graph.preds[stack.pop()].tolist():
-            if p not in seen and not kept[p]:
-                seen.add(p)
-                stack.append(p)
-    return sorted(seen)
-
 
 @dataclass(frozen=True, eq=False)
 class SimResult:
@@ -205,9 +195,7 @@ class SimResult:
     (bytes, first, end) over `curve`'s indices: live at index c when first <= c < end
     (a storage from the computation that creates it, an op's workspace for its own index).
     `shared` maps each computation (an index into the schedule's events) that writes its
-    output over an input's storage to that input node. With `simulate(..., frees=True)`,
-    `frees` lists per stage the nodes whose values die on entering it, then per
-    computation those that die right after it: what a runtime deletes, and where.
+    output over an input's storage to that input node.
     """
 
     peak_bytes: int
@@ -218,7 +206,6 @@ class SimResult:
     recomputations: int
     allocations: np.ndarray | None = None
     shared: dict[int, int] = field(default_factory=dict)
-    frees: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] | None = None
 
     @property
     def overhead(self) -> float:
@@ -227,10 +214,9 @@ class SimResult:
 
 
 def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
-             share: bool | frozenset[int] = False, frees: bool = False) -> SimResult:
+             share: bool | frozenset[int] = False) -> SimResult:
     """Validate `schedule` on `graph` and price it; raises InvalidSchedule if it cannot run.
-    `allocations=True` also records every allocation's bytes and lifetime (for layouts),
-    `frees=True` where each value dies (for runtimes that delete values as priced).
+    `allocations=True` also records every allocation's bytes and lifetime (for layouts).
 
     `share=True` lets every computation of a pointwise op take over the storage of the
     input `graph.shareable` names when nothing else needs that storage after it (the
@@ -243,7 +229,8 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
     _check_events(graph, schedule)
     run = _Run(graph, schedule, allocations, share)
     bounds = np.searchsorted(schedule.stage, np.arange(n + 1)).tolist()
-    dying = [run.stage(s, bounds[s], bounds[s + 1]) for s in range(n)]
+    for s in range(n):
+        run.stage(s, bounds[s], bounds[s + 1])
     stage_peak = np.maximum.reduceat(run.curve, bounds[:-1]) if n else np.zeros(0, dtype=np.int64)
     storage = run.storage
     table = None
@@ -256,7 +243,7 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
     return SimResult(peak_bytes=int(run.curve.max()) if len(run.curve) else 0,
                      cost=float(graph.cost[schedule.node].sum()), baseline_cost=graph.total_cost,
                      curve=run.curve, stage_peak=stage_peak, recomputations=schedule.recomputations,
-                     allocations=table, shared=run.shared, frees=tuple(dying) if frees else None)
+                     allocations=table, shared=run.shared)
 
 
 class _Storage:
@@ -328,9 +315,8 @@ class _Run:
         self.curve = np.zeros(len(schedule.node), dtype=np.int64)
         self.shared: dict[int, int] = {}
 
-    def stage(self, s: int, lo: int, hi: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-        """Run stage s (events lo..hi); the values that die on entering it and after each
-        of its computations."""
+    def stage(self, s: int, lo: int, hi: int) -> None:
+        """Run stage s (events lo..hi): free what is kept no further, then compute."""
         nodes = self.nodes[lo:hi]
         untils = self.untils[lo:hi]
         last_use: dict[int, int] = {}
@@ -338,18 +324,16 @@ class _Run:
             for p in self.preds[k].tolist():
                 last_use[p] = pos
         self.storage.at = lo
-        on_entry = []
         for i in self.expiring[s]:
             if self.live_until[i] == s and not self.resident[i] and i not in last_use:
                 self._free(i)
-                on_entry.append(i)
         if lo == hi or nodes[-1] != s:
             raise InvalidSchedule("the stage does not compute its own node", s, s)
-        after = [self._compute(k, u, s, lo + pos, pos, last_use) for pos, (k, u) in enumerate(zip(nodes, untils))]
-        return tuple(on_entry), tuple(after)
+        for pos, (k, u) in enumerate(zip(nodes, untils)):
+            self._compute(k, u, s, lo + pos, pos, last_use)
 
-    def _compute(self, k: int, u: int, s: int, event: int, pos: int, last_use: dict[int, int]) -> tuple[int, ...]:
-        """Computation `event` of node k in stage s, kept until stage u; the values that die after it."""
+    def _compute(self, k: int, u: int, s: int, event: int, pos: int, last_use: dict[int, int]) -> None:
+        """Computation `event` of node k in stage s, kept until stage u, then what dies with it."""
         live_until, storage, resident = self.live_until, self.storage, self.resident
         preds = self.preds[k].tolist()
         for p in preds:
@@ -378,7 +362,6 @@ class _Run:
             dying.append(k)
         for i in dying:
             self._free(i)
-        return tuple(dying)
 
     def _writes_over(self, k: int, s: int, event: int, dying: list[int]) -> int:
         """The storage instance computation `event` (of node k) writes its output over, or

@@ -42,7 +42,6 @@ def test_hit_loads_the_same_plan_without_solving(tmp_path, monkeypatch) -> None:
         raise AssertionError("a cache hit must not run any solver")
 
     monkeypatch.setattr(planning, "solve_native", no_solver)
-    monkeypatch.setattr(planning, "solve_exact", no_solver)
     second = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5, cache=tmp_path)
     assert second.cached and second.to_json() == first.to_json()
     out = optremat.apply(model, second)(*inputs)

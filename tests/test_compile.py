@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+from typing import Callable, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -23,7 +26,10 @@ from optremat.compiler.partition import partition, writable
 from optremat.costs import device_profile
 from optremat.models import GPT, CrossEntropy, build
 from optremat.runtime.measure import measure_peak
-from optremat.schedule import recompute_all, simulate
+from optremat.schedule import from_kept, keep_all, recompute_all, simulate
+from tests.test_runtime import MODELS as RUNTIME_MODELS
+from tests.test_runtime import assert_same_step as assert_same_eager_step
+from tests.test_runtime import deep_mlp, train_step
 
 
 @pytest.fixture(autouse=True)
@@ -108,6 +114,37 @@ def test_batch_norm_statistics_update_once() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+class Partitioned(NamedTuple):
+    """What a test partitioner saw and emitted for one joint graph."""
+
+    graph: optremat.Graph
+    schedule: optremat.Schedule
+    shared: dict[int, int]
+    modules: tuple[torch.fx.GraphModule, torch.fx.GraphModule]
+
+
+def partitioned_by(choose, loss_fn=None) -> tuple[Callable, list[Partitioned]]:
+    """An aot_eager backend that reads each joint graph as optremat does and runs the
+    schedule and shares `choose(joint_step)` returns, with the list it records them in."""
+    seen: list[Partitioned] = []
+
+    def partition_fn(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None):
+        joint_step = read_joint(joint, num_fwd_outputs, static_lifetime_input_indices or [], device_profile("cpu"),
+                                loss_fn)
+        schedule, shared = choose(joint_step)
+        modules = partition(joint, joint_step, joint_step.graph, schedule, num_fwd_outputs, shared)
+        seen.append(Partitioned(joint_step.graph, schedule, shared, modules))
+        return modules
+
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_fn), seen
+
+
+def writable_shares(joint_step, schedule, shared: dict[int, int]) -> dict[int, int]:
+    """The shares of `schedule` a compiled graph can run."""
+    can = writable(joint_step, joint_step.graph)
+    return {e: p for e, p in shared.items() if can[schedule.node[e]]}
+
+
 def test_every_op_recomputed_where_needed_runs_as_eager() -> None:
     """The partition of the schedule that recomputes everything each backward op reads:
     many ops computed several times, each copy reading the copies current where it runs."""
@@ -115,17 +152,30 @@ def test_every_op_recomputed_where_needed_runs_as_eager() -> None:
     model = GPT(vocab=64, seq=16, dim=32, layers=1, heads=2)
     inputs, loss_fn = (torch.randint(0, 64, (2, 16)),), CrossEntropy(torch.randint(0, 64, (2, 16)), flatten=True)
     expected = step(model, inputs, loss_fn)
-    counts = []
-
-    def partition_everything(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None):
-        joint_step = read_joint(joint, num_fwd_outputs, static_lifetime_input_indices or [], device_profile("cpu"))
-        schedule = recompute_all(joint_step.graph)
-        counts.append(schedule.recomputations)
-        return partition(joint, joint_step, joint_step.graph, schedule, num_fwd_outputs)
-
-    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_everything)
+    backend, seen = partitioned_by(lambda joint_step: (recompute_all(joint_step.graph), {}))
     assert_same_step(expected, step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn))
-    assert counts and counts[0] > 0
+    assert seen and seen[0].schedule.recomputations > 0
+
+
+def test_a_schedule_computing_ops_three_times_runs_at_its_simulated_peak() -> None:
+    model, inputs, loss_fn = deep_mlp()
+    model, inputs = model.float(), tuple(x.float() for x in inputs)
+    expected = step(model, inputs, loss_fn)
+
+    def every_third_matmul_kept(joint_step) -> tuple:
+        graph = joint_step.graph
+        kept = np.zeros(graph.n, dtype=bool)
+        kept[[i for i, op in enumerate(graph.ops) if op.startswith("addmm") and not graph.backward[i]][::3]] = True
+        return from_kept(graph, kept), {}
+
+    backend, seen = partitioned_by(every_third_matmul_kept, loss_fn)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    assert_same_step(expected, step(compiled, inputs, loss_fn))
+    (graph, schedule, _, _), = seen
+    assert np.bincount(schedule.node).max() >= 3
+    predicted = simulate(graph, schedule).peak_bytes
+    measured = peak_of(model, compiled, inputs, loss_fn)
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
 
 
 def test_predicted_peak_is_the_measured_one_when_nothing_fuses() -> None:
@@ -148,21 +198,72 @@ def test_shared_computations_write_over_their_dying_inputs_in_the_backward() -> 
     example = gpt()
     model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
     expected = step(model, inputs, loss_fn)
-    written: list[set[str]] = []
 
-    def partition_sharing(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None):
-        joint_step = read_joint(joint, num_fwd_outputs, static_lifetime_input_indices or [], device_profile("cpu"))
-        graph = joint_step.graph
-        schedule = recompute_all(graph)
-        can = writable(joint_step, graph)
-        shared = {e: p for e, p in simulate(graph, schedule, share=True).shared.items() if can[schedule.node[e]]}
-        modules = partition(joint, joint_step, graph, schedule, num_fwd_outputs, shared)
-        written.append({str(n.target) for m in modules for n in m.graph.nodes if "out" in n.kwargs})
-        return modules
+    def shared_wherever_possible(joint_step) -> tuple:
+        schedule = recompute_all(joint_step.graph)
+        return schedule, writable_shares(joint_step, schedule, simulate(joint_step.graph, schedule, share=True).shared)
 
-    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_sharing)
+    backend, seen = partitioned_by(shared_wherever_possible)
     assert_same_step(expected, step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn))
-    assert written and any(target.endswith(".out") for target in written[0]), written
+    written = {str(n.target) for module in seen[0].modules for n in module.graph.nodes if "out" in n.kwargs}
+    assert any(target.endswith(".out") for target in written), written
+
+
+@pytest.mark.parametrize("name,budget,order", [("convnet", 0.6, "traced"), ("gpt-dropout", 0.7, "traced"),
+                                               ("resnet-tiny", 0.6, "traced"), ("resnet-tiny", 0.6, "best")])
+def test_compiled_plan_reproduces_the_eager_step_in_float64(name: str, budget: float, order: str) -> None:
+    """Recomputation in the compiled graphs changes nothing a step computes: the loss,
+    the gradients, BatchNorm's running statistics and the dropout masks are eager's."""
+    model, inputs, loss_fn = RUNTIME_MODELS[name]()
+    state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, inputs, loss_fn, state)
+    backend = optremat.compile_backend(budget, inner="aot_eager", solver="greedy", order=order)
+    got = train_step(torch.compile(model, backend=backend, dynamic=False), model, inputs, loss_fn, state)
+    assert backend.plans[0].schedule.recomputations > 0
+    assert backend.plans[0].predicted_peak_bytes <= backend.plans[0].budget_bytes
+    assert_same_eager_step(got, want)
+
+
+def test_best_order_runs_at_its_lower_predicted_peak() -> None:
+    example = build("resnet-tiny")
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    expected = step(model, inputs, loss_fn)
+    plans = {}
+    for order in ("traced", "best"):
+        torch._dynamo.reset()
+        backend = optremat.compile_backend(1.0, inner="aot_eager", solver="greedy", loss_fn=loss_fn, order=order)
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        assert_same_step(expected, step(compiled, inputs, loss_fn))
+        plans[order] = backend.plans[0], peak_of(model, compiled, inputs, loss_fn)
+    (traced, _), (best, measured) = plans["traced"], plans["best"]
+    assert best.graph.names != traced.graph.names
+    assert best.predicted_peak_bytes < traced.predicted_peak_bytes
+    assert abs(measured - best.predicted_peak_bytes) <= 0.05 * best.predicted_peak_bytes
+
+
+def test_shares_the_solver_chooses_run_in_the_compiled_graphs_at_the_simulated_peak() -> None:
+    """CP-SAT deciding which ops write over the inputs they are the last to hold, on the
+    joint graph: the partition runs those choices, in float64, as eager computes."""
+    model, inputs, loss_fn = deep_mlp()
+    expected = step(model, inputs, loss_fn)
+
+    def solved_with_shares(joint_step) -> tuple:
+        graph = joint_step.graph
+        budget = int(simulate(graph, keep_all(graph)).peak_bytes * 0.95)
+        solution = optremat.solve(graph, budget, "cpsat", time_limit=10, share=True, workers=1)
+        return solution.schedule, writable_shares(joint_step, solution.schedule, solution.shared)
+
+    backend, seen = partitioned_by(solved_with_shares, loss_fn)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    got = step(compiled, inputs, loss_fn)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-10, atol=0)
+    for a, b in zip(got[1], expected[1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    (graph, schedule, shared, _), = seen
+    assert shared
+    predicted = simulate(graph, schedule, share=frozenset(shared)).peak_bytes
+    measured = peak_of(model, compiled, inputs, loss_fn)
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
 
 
 def test_later_steps_do_not_compile_again() -> None:
@@ -197,6 +298,8 @@ def test_plan_cache_hit_compiles_without_solving(tmp_path, monkeypatch: pytest.M
 def test_bad_configurations_are_refused_before_compiling() -> None:
     with pytest.raises(ValueError, match="inner"):
         optremat.compile_backend(0.5, inner="tvm")
+    with pytest.raises(ValueError, match="order"):
+        optremat.compile_backend(0.5, order="fastest")
     with pytest.raises(ValueError, match="solver"):
         optremat.compile_backend(0.5, solver="magic")
     with pytest.raises(ValueError, match="budget"):

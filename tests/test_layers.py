@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "optremat"
 LAYERS = (
     {"graph", "published", "synthetic", "schedule", "solution", "budget", "coarsen", "order", "sharding"},
     {"heuristics", "ilp", "solve", "batch", "regions"},
-    {"costs", "extract", "fingerprint", "models", "cache", "plan", "planning", "native_plan", "exact_plan"},
+    {"costs", "extract", "fingerprint", "models", "cache", "plan", "planning", "native_plan", "op_plan"},
     {"runtime", "compiler", "distributed"},
     {"bench", "cli", "plots"},
 )

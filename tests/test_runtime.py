@@ -5,15 +5,12 @@ from __future__ import annotations
 import copy
 from typing import NamedTuple
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 import optremat
-from optremat.extract import trace
 from optremat.models import GPT, build
-from optremat.runtime.exact import exact_program
 from optremat.runtime.measure import measure_peak
 
 
@@ -175,12 +172,11 @@ def tied_outputs() -> tuple[nn.Module, tuple, callable]:
     return TiedOutputs().double(), (batch,), loss_fn
 
 
-@pytest.mark.parametrize("runtime,budget", [("native", 1.0), ("exact", 0.9)])
-def test_tied_weights_dict_inputs_and_structured_outputs(runtime: str, budget: float) -> None:
+def test_tied_weights_dict_inputs_and_structured_outputs() -> None:
     model, inputs, loss_fn = tied_outputs()
     state = copy.deepcopy(model.state_dict())
     want = train_step(model, model, inputs, loss_fn, state)
-    plan = optremat.plan(model, inputs, budget, time_limit=5, runtime=runtime)
+    plan = optremat.plan(model, inputs, 1.0, time_limit=5)
     trained = optremat.apply(model, plan)
     assert_same_step(train_step(trained, model, inputs, loss_fn, state), want)
     assert trained(*inputs)["out"].logits.shape == (256, 16, 32)
@@ -280,34 +276,15 @@ def test_planned_step_is_bitwise_equal_in_float64() -> None:
     assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state), want, tolerance=0)
 
 
-@pytest.mark.parametrize("name,budget,order", [("convnet", 0.6, "traced"), ("gpt-dropout", 0.7, "traced"),
-                                               ("resnet-tiny", 0.6, "traced"),
-                                               pytest.param("gpt-dropout", 0.7, "best", marks=pytest.mark.slow),
-                                               ("resnet-tiny", 0.6, "best")])
-def test_exact_runtime_step_equals_unplanned_step(name: str, budget: float, order: str, device: str) -> None:
-    model, inputs, loss_fn = on(device, MODELS[name]())
-    state = copy.deepcopy(model.state_dict())
-    plan = optremat.plan(model, inputs, budget, time_limit=10, runtime="exact", order=order)
-    assert plan.runtime == "exact" and plan.predicted_peak_bytes <= plan.budget_bytes
-    assert plan.schedule.recomputations > 0
-    assert plan.shared, "pointwise ops should write over the inputs they are the last to read"
-    assert "share" in plan.decisions().values()
-    assert_same_step(train_step(optremat.apply(model, plan), model, inputs, loss_fn, state),
-                     train_step(model, model, inputs, loss_fn, state))
+SLOWEST = {"gpt-tiny"}
+"""The tightest-plan cases over 10 s on 2 cores, run with --runslow; the GPT's planned
+steps are compared with unplanned ones by the gpt-dropout tests."""
 
 
-SLOWEST = {("gpt-tiny", "native"), ("gpt-tiny", "exact"), ("resnet-tiny", "exact"), ("unet-tiny", "exact"),
-           ("rnn-tiny", "exact")}
-"""The tightest-plan cases over 10 s on 2 cores, run with --runslow; the default run keeps
-four models on the native runtime and two on the exact one, and the GPT's planned steps
-are compared with unplanned ones on both runtimes by the gpt-dropout tests."""
-
-
-@pytest.mark.parametrize("name,runtime", [
-    pytest.param(name, runtime, marks=[pytest.mark.slow] if (name, runtime) in SLOWEST else [])
-    for runtime in ("native", "exact")
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.slow] if name in SLOWEST else [])
     for name in ("gpt-tiny", "resnet-tiny", "unet-tiny", "vgg-tiny", "mlp-tiny", "rnn-tiny")])
-def test_every_built_in_model_at_its_tightest_plan(name: str, runtime: str) -> None:
+def test_every_built_in_model_at_its_tightest_plan(name: str) -> None:
     """At half the unplanned peak, or the smallest budget the planner names where half is
     infeasible (planned deterministically, so the plan does not depend on machine load): the step equals the unplanned one (float64), and in float32 (float64
     convolutions take CPU scratch memory the cost model does not know) it runs at the
@@ -315,7 +292,7 @@ def test_every_built_in_model_at_its_tightest_plan(name: str, runtime: str) -> N
     for dtype in (torch.float64, torch.float32):
         example = build(name, dtype=dtype)
         model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
-        options = dict(loss_fn=loss_fn, time_limit=2, runtime=runtime, deterministic=True, workers=1)
+        options = dict(loss_fn=loss_fn, time_limit=2, deterministic=True, workers=1)
         try:
             plan = optremat.plan(model, inputs, 0.5, **options)
         except optremat.InfeasibleBudget as error:
@@ -336,122 +313,6 @@ def test_every_built_in_model_at_its_tightest_plan(name: str, runtime: str) -> N
         measured = measure_peak(step, resident=[params, list(model.buffers()), inputs]).peak_bytes
         assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes, (measured, plan.summary())
         assert measured <= 1.05 * plan.budget_bytes
-
-
-def test_exact_runtime_runs_a_schedule_that_recomputes_twice_at_the_simulated_peak() -> None:
-    model, inputs, loss_fn = deep_mlp()
-    model, inputs = model.float(), tuple(x.float() for x in inputs)
-    traced = trace(model, inputs)
-    graph = traced.graph
-    kept = np.zeros(graph.n, dtype=bool)
-    kept[[i for i, op in enumerate(graph.ops) if op.startswith("addmm") and not graph.backward[i]][::3]] = True
-    schedule = optremat.from_kept(graph, kept)
-    assert np.bincount(schedule.node).max() >= 3
-    program = exact_program(model, traced, inputs, graph, schedule)
-    params = dict(model.named_parameters())
-    predicted = optremat.simulate(graph, schedule).peak_bytes
-
-    def step() -> tuple:
-        out = program.run(list(params), list(params.values()) + list(inputs))
-        return torch.autograd.grad(loss_fn(out), list(params.values()))
-
-    want = torch.autograd.grad(loss_fn(model(*inputs)), list(params.values()))
-    for got, expected in zip(step(), want):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    measured = measure_peak(step, resident=[list(params.values()), inputs]).peak_bytes
-    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
-
-
-def test_shares_the_solver_chooses_run_exactly_at_the_simulated_peak() -> None:
-    model, inputs, loss_fn = deep_mlp()
-    traced = trace(model, inputs)
-    graph = traced.graph
-    budget = int(optremat.simulate(graph, optremat.keep_all(graph)).peak_bytes * 0.95)
-    plain = optremat.solve(graph, budget, "cpsat", time_limit=30)
-    shared = optremat.solve(graph, budget, "cpsat", time_limit=30, share=True)
-    assert plain.status == shared.status == "OPTIMAL" and shared.cost < plain.cost
-    program = exact_program(model, traced, inputs, graph, shared.schedule, shared.shared)
-    params = dict(model.named_parameters())
-
-    def step() -> tuple:
-        out = program.run(list(params), list(params.values()) + list(inputs))
-        return torch.autograd.grad(loss_fn(out), list(params.values()))
-
-    want = torch.autograd.grad(loss_fn(model(*inputs)), list(params.values()))
-    for got, expected in zip(step(), want):
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
-    predicted = optremat.simulate(graph, shared.schedule, share=frozenset(shared.shared)).peak_bytes
-    assert predicted <= budget
-    measured = measure_peak(step, resident=[list(params.values()), inputs]).peak_bytes
-    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
-
-
-def test_reordered_exact_plan_runs_at_its_predicted_peak() -> None:
-    model, inputs, loss_fn = MODELS["resnet-tiny"]()
-    model, inputs = model.float(), tuple(x.float() for x in inputs)
-    traced_order = optremat.plan(model, inputs, 1.0, runtime="exact")
-    best = optremat.plan(model, inputs, 1.0, runtime="exact", order="best")
-    assert best.graph.names != traced_order.graph.names
-    assert best.predicted_peak_bytes < traced_order.predicted_peak_bytes
-    params = [p for p in model.parameters()]
-    trained = optremat.apply(model, best)
-
-    def step() -> tuple:
-        return torch.autograd.grad(loss_fn(trained(*inputs)), params)
-
-    step()
-    measured = measure_peak(step, resident=[params, list(model.buffers()), inputs]).peak_bytes
-    assert abs(measured - best.predicted_peak_bytes) <= 0.05 * best.predicted_peak_bytes
-
-
-def test_reordering_needs_the_exact_runtime() -> None:
-    model, inputs, loss_fn = MODELS["convnet"]()
-    with pytest.raises(ValueError, match="exact runtime"):
-        optremat.plan(model, inputs, 0.9, loss_fn=loss_fn, order="best")
-
-
-def test_exact_plan_leaves_room_for_the_loss_outside_it() -> None:
-    """A cross-entropy over 2,048 classes: its log-softmax and that one's gradient are as
-    large as the logits, and run under eager autograd between the step's two halves."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 2048))
-    x, target = torch.randn(256, 32), torch.randint(0, 2048, (256,))
-
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(out, target)
-
-    blind = optremat.plan(model, (x,), 1.0, runtime="exact", time_limit=10)
-    planned = optremat.plan(model, (x,), 1.0, loss_fn=loss_fn, runtime="exact", time_limit=10)
-    logits = 256 * 2048 * 4
-    assert planned.baseline_peak_bytes >= blind.baseline_peak_bytes + logits
-    params = list(model.parameters())
-    for plan in (blind, planned):
-        trained = optremat.apply(model, plan)
-
-        def step() -> tuple:
-            return torch.autograd.grad(loss_fn(trained(x)), params)
-
-        step()
-        measured = measure_peak(step, resident=[params, x]).peak_bytes
-        if plan is blind:
-            assert measured > 1.3 * plan.predicted_peak_bytes
-        else:
-            assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
-            assert measured <= 1.05 * plan.budget_bytes
-
-
-def test_saved_exact_plan_applies_after_loading_and_refuses_another_model(tmp_path) -> None:
-    model, inputs, loss_fn = convnet()
-    state = copy.deepcopy(model.state_dict())
-    plan = optremat.plan(model, inputs, 0.7, time_limit=5, runtime="exact")
-    plan.save(tmp_path / "plan.json")
-    loaded = optremat.Plan.load(tmp_path / "plan.json")
-    assert loaded.runtime == "exact" and loaded.traced is None
-    assert_same_step(train_step(optremat.apply(model, loaded), model, inputs, loss_fn, state),
-                     train_step(model, model, inputs, loss_fn, state))
-    other, other_inputs, _ = deep_mlp()
-    with pytest.raises(optremat.PlanMismatch, match="another model"):
-        optremat.apply(other, loaded)(*other_inputs)
 
 
 def test_hooks_fire_once_per_forward_and_remove_restores_the_model() -> None:
@@ -526,3 +387,47 @@ def test_other_shapes_run_planned_below_their_unplanned_peak() -> None:
         unplanned = measure_peak(step, resident=[params, other]).peak_bytes
         saved, predicted = unplanned - planned, priced.baseline_peak_bytes - priced.predicted_peak_bytes
         assert saved > 0 and abs(saved - predicted) <= 0.1 * predicted, (saved, predicted)
+
+
+def test_replanning_gives_each_new_input_shape_its_own_plan(tmp_path) -> None:
+    example = build("gpt-tiny")
+    model, (idx,) = example.model, example.inputs
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    plan = optremat.plan(model, (idx,), 0.92, loss_fn=loss_fn, time_limit=5)
+    replan = optremat.Replanning(budget=0.92, loss_fn=loss_fn, cache=tmp_path, solver="greedy")
+    larger = torch.randint(0, 128, (idx.shape[0] * 4, idx.shape[1]))
+    state = copy.deepcopy(model.state_dict())
+    want = train_step(model, model, (larger,), loss_fn, state)
+    trained = optremat.apply(model, plan, replan=replan)
+    with torch.no_grad():
+        trained(larger)
+    assert not replan.plans, "only training steps plan"
+    train_step(trained, model, (idx,), loss_fn, state)
+    assert list(replan.plans.values()) == [plan], "the applied plan serves the shape it was made for"
+    assert_same_step(train_step(trained, model, (larger,), loss_fn, state), want, tolerance=1e-5)
+    made = [p for p in replan.plans.values() if p is not plan]
+    assert len(made) == 1 and made[0].budget_bytes > plan.budget_bytes
+    params = list(model.parameters())
+
+    def step() -> tuple:
+        return torch.autograd.grad(loss_fn(trained(larger)), params)
+
+    measured = measure_peak(step, resident=[params, larger]).peak_bytes
+    assert len(replan.plans) == 2
+    assert abs(measured - made[0].predicted_peak_bytes) <= 0.10 * made[0].predicted_peak_bytes
+    optremat.remove(model)
+    assert measured < measure_peak(step, resident=[params, larger]).peak_bytes
+
+
+def test_a_shape_no_plan_fits_keeps_the_plan_in_use_with_a_warning() -> None:
+    example = build("gpt-tiny")
+    model, (idx,) = example.model, example.inputs
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    plan = optremat.plan(model, (idx,), 0.92, loss_fn=loss_fn, time_limit=5)
+    replan = optremat.Replanning(budget="1KiB", loss_fn=loss_fn, solver="greedy")
+    trained = optremat.apply(model, plan, replan=replan)
+    with pytest.warns(UserWarning, match="running the plan in use"):
+        loss_fn(trained(idx[: idx.shape[0] // 2])).backward()
+    assert list(replan.plans.values()) == [plan]
+    with pytest.raises(ValueError, match="solver"):
+        optremat.Replanning(solver="fastest")

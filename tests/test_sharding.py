@@ -139,11 +139,9 @@ def test_a_plan_for_one_rank_is_priced_for_that_rank_and_saved_with_its_sharding
         assert not again.cached and again.parallel.world == world
 
 
-def test_a_plan_for_one_rank_needs_its_world_and_the_native_runtime() -> None:
+def test_a_plan_for_one_rank_needs_its_world() -> None:
     example = build("gpt-tiny")
     with pytest.raises(ValueError, match="number of ranks"):
         optremat.plan(example.model, example.inputs, 0.9, parallel=FSDP(units=("blocks.*",)))
-    with pytest.raises(ValueError, match="native runtime"):
-        optremat.plan(example.model, example.inputs, 0.9, parallel=DDP(world=2), runtime="exact")
     with pytest.raises(TypeError, match="FSDP or optremat.DDP"):
         optremat.plan(example.model, example.inputs, 0.9, parallel="fsdp")

@@ -1,9 +1,9 @@
 """`compile_backend`: torch.compile with optremat choosing what the backward recomputes.
 
 AOTAutograd hands its partitioner the joint graph of each compiled region; optremat's
-`Partitioner` reads it as a Graph, plans it under the budget op by op (the plan the
-exact runtime would run: any op may be recomputed, any number of times, where the
-schedule puts it) and emits the forward and backward graphs that run that schedule.
+`Partitioner` reads it as a Graph, plans it under the budget op by op (any op may be
+recomputed, any number of times, where the schedule puts it) and emits the forward and
+backward graphs that run that schedule.
 Under Inductor it is installed as `custom_partitioner_fn`, so Inductor's joint-graph
 passes run first and its code generation after; under aot_eager the graphs run as fx.
 """
@@ -23,18 +23,21 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from optremat.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.cache import PlanCache
-from optremat.compiler.joint import JointStep, read_joint
+from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.partition import partition, writable
 from optremat.costs import DeviceProfile, device_profile, profile_for
+from optremat.extract import depending_on
 from optremat.fingerprint import package_version
-from optremat.exact_plan import EXACT_ATTEMPTS, least_plan, plan_step
-from optremat.plan import Plan
 from optremat.graph import Graph
+from optremat.op_plan import ATTEMPTS, least_plan, plan_step
+from optremat.order import best_order
+from optremat.plan import Plan
 from optremat.schedule import Schedule, simulate, without_recomputing
 from optremat.solution import FEASIBLE, OPTIMAL
 from optremat.solve import SOLVERS
 
 INNER = ("inductor", "aot_eager")
+ORDERS = ("traced", "best")
 
 
 @dataclass(eq=False)
@@ -56,6 +59,7 @@ class Partitioner(CustomPartitionerFn):
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     device: str | DeviceProfile | None = None
     share: bool = False
+    order: str = "traced"
     plans: list[Plan] = field(default_factory=list)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -72,7 +76,8 @@ class Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> str:
         parts = [self.budget, self.solver, self.time_limit, self.deterministic, self.seed, self.cache,
-                 getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, self.share, package_version()]
+                 getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, self.share, self.order,
+                 package_version()]
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def _profile(self, joint_inputs: Sequence[object]) -> DeviceProfile:
@@ -91,7 +96,7 @@ class Partitioner(CustomPartitionerFn):
         store = PlanCache(self.cache)
         key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
                         deterministic=self.deterministic, device=profile, runtime="compiled", share=self.share,
-                        version=package_version())
+                        order=self.order, version=package_version())
         with store.locked(key):
             hit = store.get(key, self.time_limit, Plan.from_json)
             if hit is not None:
@@ -106,22 +111,32 @@ class Partitioner(CustomPartitionerFn):
         the heuristics' least-peak plan is the last try, and its peak the smallest budget
         named: compiling again at it always finds that plan."""
         started = time.perf_counter()
+        graph = self._ordered(step)
         target = budget_bytes
-        for _ in range(EXACT_ATTEMPTS):
+        for _ in range(ATTEMPTS):
             try:
-                found = plan_step(step.graph, target, solver=self.solver, time_limit=self.time_limit,
+                found = plan_step(graph, target, solver=self.solver, time_limit=self.time_limit,
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,
-                                  started=started, share=self.share, runtime="compiled")
+                                  started=started, share=self.share)
             except InfeasibleBudget:
                 break
             compiled = self._as_compiled(step, found)
             if compiled.predicted_peak_bytes <= budget_bytes:
                 return replace(compiled, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started)
             target -= compiled.predicted_peak_bytes - budget_bytes
-        least = self._as_compiled(step, least_plan(step.graph, share=self.share, runtime="compiled"))
+        least = self._as_compiled(step, least_plan(graph, share=self.share))
         if least.predicted_peak_bytes <= budget_bytes:
             return replace(least, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started)
         raise InfeasibleBudget(budget_bytes, least.predicted_peak_bytes, f"{self.solver} in a compiled step")
+
+    def _ordered(self, step: JointStep) -> Graph:
+        """The step's Graph in the order its plan runs: traced, or with order="best" the one
+        `best_order` finds, the loss and all that depends on it after every other op."""
+        graph = step.graph
+        if self.order == "traced":
+            return graph
+        late = depending_on(graph, [graph.names.index(LOSS)]) if LOSS in graph.names else None
+        return best_order(graph, late)[0]
 
     def _as_compiled(self, step: JointStep, found: Plan) -> Plan:
         """`found` as the compiled graphs run it: reruns of fixed ops dropped (their one
@@ -177,7 +192,7 @@ class Backend:
 def compile_backend(budget: int | float | str, *, inner: str = "inductor", solver: str = "auto",
                     time_limit: float = 30.0, deterministic: bool = False, seed: int = 0, workers: int = 0,
                     cache: str | Path | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                    device: str | DeviceProfile | None = None) -> Backend:
+                    device: str | DeviceProfile | None = None, order: str = "traced") -> Backend:
     """A `torch.compile` backend that plans every compiled training step under `budget`:
     `torch.compile(model, backend=optremat.compile_backend("6GiB"), dynamic=False)`.
 
@@ -187,17 +202,21 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     cross-entropy over the largest output's last dimension when not given: it is called
     on the compiled graph's outputs that take a gradient, a tensor when there is one (the
     logits), else a list of them, since the model's output structure is not part of the
-    graph). `inner` is
-    "inductor" or "aot_eager"; `solver`, `time_limit`, `deterministic`, `seed` and
-    `workers` are `plan()`'s; `cache`, a directory, keeps plans across processes, so the
-    second compile of the same graph solves nothing. A budget no plan meets raises
-    InfeasibleBudget (wrapped by dynamo) naming the smallest budget found. Create one
-    backend per configuration: dynamo reuses compiled graphs per backend object.
+    graph). `inner` is "inductor" or "aot_eager" (under which pointwise ops also write
+    over inputs they are the last to read, wherever the graphs can); `solver`,
+    `time_limit`, `deterministic`, `seed` and `workers` are `plan()`'s; `cache`, a
+    directory, keeps plans across processes, so the second compile of the same graph
+    solves nothing. `order="best"` lets the graphs run independent ops in another order
+    where that lowers the unplanned peak (`optremat.order.best_order`). A budget no plan
+    meets raises InfeasibleBudget (wrapped by dynamo) naming the smallest budget found.
+    Create one backend per configuration: dynamo reuses compiled graphs per backend object.
     """
     if inner not in INNER:
         raise ValueError(f"unknown inner compiler {inner!r}; choose one of {', '.join(INNER)}")
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     check_budget(budget)
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
     return Backend(Partitioner(budget, solver, time_limit, deterministic, seed, workers, cache, loss_fn, device,
-                               share=inner == "aot_eager"), inner)
+                               share=inner == "aot_eager", order=order), inner)

@@ -114,8 +114,7 @@ def _loss_bytes(tangent_values: list[Any], loss_fn: Callable[[Any], torch.Tensor
     with unset_fake_temporarily(), torch._guards.tracing(None), torch.enable_grad():
         out = [torch.empty(t.shape, dtype=t.dtype, device=t.device, requires_grad=t.is_floating_point())
                for t in tangent_values]
-        return output_loss_bytes(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile,
-                                 output_released=True)
+        return output_loss_bytes(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile)
 
 
 def _with_loss_node(graph: Graph, at: int, reads: list[int], workspace: int, gradients: int) -> Graph:

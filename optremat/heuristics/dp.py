@@ -165,9 +165,11 @@ def _describe(graph: Graph, forward: np.ndarray, cuts: list[int]) -> Blocks:
         segment = [v for v in range(s, s_end) if graph.backward[v]]
         seg_reads = {p for v in segment for p in graph.preds[v].tolist()}
         inner = [v for v in ops if v in seg_reads and v != tail]
-        advance = _ancestors(graph, ops, [c])
-        full = _ancestors(graph, ops, [c] + inner)
-        leaf = _ancestors(graph, ops, inner)
+        within = np.zeros(graph.n, dtype=bool)
+        within[ops] = True
+        advance = graph.ancestors([c] if within[c] else [], within)
+        full = graph.ancestors([v for v in [c] + inner if within[v]], within)
+        leaf = graph.ancestors(inner, within)
         entering = [v for v in range(s) if not graph.pinned[v] and (graph.backward[v] or v == tail or resident[v])
                     and (resident[v] or last_read[v] >= s)]
         fields["advance"].append(tuple(advance))
@@ -194,18 +196,6 @@ def _describe(graph: Graph, forward: np.ndarray, cuts: list[int]) -> Blocks:
     return Blocks(cut=tuple([-1] + cuts), start=tuple([n] + start), advance=tuple(fields["advance"]),
                   full=tuple(fields["full"]), leaf=tuple(fields["leaf"]), x=np.array(x), **arrays)
 
-
-def _ancestors(graph: Graph, ops: list[int], targets: list[int]) -> list[int]:
-    """The nodes of `ops` that `targets` depend on within `ops`, targets included."""
-    among = set(ops)
-    seen = set(t for t in targets if t in among)
-    stack = list(seen)
-    while stack:
-        for p in graph.preds[stack.pop()].tolist():
-            if p in among and p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return sorted(seen)
 
 
 def _run_peak(graph: Graph, ops: list[int], live: dict[int, int], keep: set[int]) -> int:

@@ -2,100 +2,93 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from optremat.extract import trace
-from optremat.fingerprint import model_fingerprint
+from optremat.budget import check_budget
+from optremat.extract import tensor_type
 from optremat.plan import Plan
+from optremat.planning import plan as plan_step_of
+from optremat.regions import Region
 from optremat.runtime import native
-from optremat.runtime.exact import exact_program
-from optremat.runtime.native import PlanMismatch
-from optremat.runtime.ops import autocast_state, signature_of
+from optremat.solve import SOLVERS
+
+log = logging.getLogger("optremat")
 
 
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
-    """`model` with `plan` applied: same call signature, parameters and gradients.
+@dataclass(eq=False)
+class Replanning:
+    """Plan again on the first training step at each new input shape (batch size,
+    sequence length), at `budget`: bytes or a size hold for every shape, a fraction is of
+    each shape's unplanned peak; None keeps the applied plan's budget in bytes. The other
+    fields are `plan()`'s; with `cache`, a shape planned once loads in later runs. A shape
+    no plan fits keeps running the plan in use, with a warning naming the smallest budget.
+    `plans` holds the plan made for each shape, by its inputs' tensor types."""
 
-    A native plan is installed on `model` itself (its checkpointed module calls run under
-    checkpoint; everything else is untouched) and `model` is returned; `remove(model)`
-    takes it off again. An exact plan returns a wrapper that runs the traced step."""
+    budget: int | float | str | None = None
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    cache: str | Path | None = None
+    solver: str = "auto"
+    time_limit: float = 30.0
+    plans: dict[tuple[str, ...], Plan] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            check_budget(self.budget)
+        if self.solver not in SOLVERS:
+            raise ValueError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
+
+    def chooser(self, model: nn.Module, applied: Plan) -> native.Choose:
+        """What picks the regions of `model`'s forward for its inputs, `applied` first."""
+        def choose(args: tuple) -> tuple[Region, ...] | None:
+            key = tuple(tensor_type(leaf) for leaf in tree_leaves(args))
+            if key not in self.plans:
+                self.plans[key] = applied if _planned_for(applied, key) else self._plan(model, args, applied, key)
+            return self.plans[key].regions
+
+        return choose
+
+    def _plan(self, model: nn.Module, args: tuple, applied: Plan, key: tuple[str, ...]) -> Plan:
+        budget = applied.budget_bytes if self.budget is None else self.budget
+        try:
+            made = plan_step_of(model, args, budget, loss_fn=self.loss_fn, cache=self.cache, solver=self.solver,
+                                time_limit=self.time_limit, parallel=applied.parallel)
+        except ValueError as error:  # InfeasibleBudget, or a budget below what every step holds
+            warnings.warn(f"optremat: inputs {', '.join(key)}: {error}; running the plan in use", stacklevel=4)
+            return applied
+        log.info("optremat: inputs %s planned: %s", ", ".join(key), made.summary().splitlines()[0])
+        return made
+
+
+def apply(model: nn.Module, plan: Plan, *, replan: Replanning | None = None) -> nn.Module:
+    """`model` with `plan` installed on it, returned: same call signature, parameters
+    and gradients. Its checkpointed module calls run under checkpoint; everything else
+    is untouched; `remove(model)` takes the plan off again. The plan's decisions hold at
+    any input shape; with `replan`, each new shape gets a plan of its own instead."""
     if not isinstance(plan, Plan):
         raise TypeError(f"apply needs an optremat Plan, not {type(plan).__name__}")
-    if plan.runtime == "compiled":
-        raise ValueError("this plan partitions a torch.compile graph and runs there: compile the model with "
-                         "optremat.compile_backend instead of applying it")
-    if plan.runtime == "exact":
-        return Planned(model, plan)
+    if plan.runtime != "native":
+        raise ValueError(f"this plan is for the {plan.runtime!r} runtime, not a model's own modules: op-by-op plans "
+                         "run inside torch.compile; compile the model with optremat.compile_backend instead")
     return native.install(model, plan.regions, training=plan.training, fingerprint=plan.model_fingerprint,
-                          mutated_buffers=plan.mutated_buffers)
+                          mutated_buffers=plan.mutated_buffers,
+                          choose=None if replan is None else replan.chooser(model, plan))
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Take an installed native plan off `model`; returns `model`, as it was before `apply`."""
+    """Take an installed plan off `model`; returns `model`, as it was before `apply`."""
     return native.remove(model)
 
 
-class Planned(nn.Module):
-    """`model` run under an exact plan for training steps, and plainly otherwise.
-
-    Parameters and buffers are the model's own (shared, not copied), so any optimizer,
-    `state_dict` and `load_state_dict` work as on the model, with the same keys. The plan
-    runs only when autograd is recording and the model is in the mode and the inputs have
-    the shapes it was planned for; anything else (eval mode, `torch.no_grad()`, another
-    batch shape) runs the model itself, with a warning for a new shape.
-    """
-
-    def __init__(self, model: nn.Module, plan: Plan) -> None:
-        super().__init__()
-        self.model = model
-        self.plan = plan
-        self._program: Any = None
-        self._warned = False
-
-    def forward(self, *args: Any) -> Any:
-        if not torch.is_grad_enabled() or self.model.training != self.plan.training:
-            return self.model(*args)
-        leaves = tree_leaves(args)
-        if self._program is None:
-            self._program = self._trace(args)
-        signature = signature_of(leaves)
-        if signature != self._program.signature or autocast_state() != self._program.autocast:
-            if not self._warned:
-                warnings.warn("optremat: inputs or autocast differ from those the exact plan was made for "
-                              f"({_describe(signature)} {autocast_state()} vs {_describe(self._program.signature)} "
-                              f"{self._program.autocast}); running the model unplanned", stacklevel=2)
-                self._warned = True
-            return self.model(*args)
-        params = dict(self.model.named_parameters())
-        values = list(params.values()) + list(dict(self.model.named_buffers()).values()) + leaves
-        return self._program.run(list(params), values)
-
-    def _trace(self, args: tuple) -> Any:
-        traced = self.plan.traced or trace(self.model, args)
-        if (model_fingerprint(self.model) != self.plan.model_fingerprint
-                or not _same_step(traced.graph, self.plan.graph)):
-            raise PlanMismatch("this plan was made for another model or input shape (fingerprint "
-                               f"{self.plan.graph.fingerprint}, these inputs give {traced.graph.fingerprint}); "
-                               "plan again")
-        return exact_program(self.model, traced, args, self.plan.graph, self.plan.schedule, dict(self.plan.shared))
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.model.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def _same_step(traced: Any, planned: Any) -> bool:
-    """The planned graph holds the traced step's ops and tensor types, perhaps reordered."""
-    return sorted(zip(traced.names, traced.ops, traced.tensor)) == sorted(zip(planned.names, planned.ops, planned.tensor))
-
-
-def _describe(signature: list[Any]) -> str:
-    return ", ".join(f"{str(s[1]).removeprefix('torch.')}{list(s[0])}" if isinstance(s, tuple) else repr(s)
-                     for s in signature)
+def _planned_for(plan: Plan, key: tuple[str, ...]) -> bool:
+    """Whether `plan` was priced on inputs of these tensor types (the traced step's input
+    placeholders follow its parameters and buffers)."""
+    params = sum(kind == "param" for kind in plan.graph.kind)
+    return tuple(plan.graph.tensor[params:params + len(key)]) == key

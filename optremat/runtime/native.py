@@ -20,7 +20,7 @@ import functools
 import types
 import warnings
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -38,12 +38,28 @@ class PlanMismatch(ValueError):
     """A plan applied to a model it was not made for."""
 
 
+Choose = Callable[[tuple], "tuple[Region, ...] | None"]
+"""Given a training forward's positional inputs, the regions to run it under (None: the
+ones in use)."""
+
+
 class _Runtime:
     """A model's installed plan: its regions by (module path, call) (for a span of a
     Sequential's children, a list of (start, stop, region)), the mode it was made for,
-    and how many calls of each planned module the current forward has made."""
+    how many calls of each planned module the current forward has made, and what picks
+    the regions for a forward's inputs, if anything does."""
 
-    def __init__(self, regions: tuple[Region, ...], training: bool, hook: Any) -> None:
+    def __init__(self, regions: tuple[Region, ...], training: bool, hook: Any, choose: Choose | None,
+                 mutated_buffers: tuple[str, ...]) -> None:
+        self.training = training
+        self.hook = hook
+        self.choose = choose
+        self.mutated_buffers = mutated_buffers
+        self.calls: Counter[str] = Counter()
+        self.use(regions)
+
+    def use(self, regions: tuple[Region, ...]) -> None:
+        """Run later forwards under `regions` (their modules must be taken over)."""
         self.regions: dict[tuple[str, int], Region] = {}
         self.spans: dict[tuple[str, int], list[tuple[int, int, Region]]] = {}
         for region in regions:
@@ -52,9 +68,6 @@ class _Runtime:
                 self.regions[(region.path, region.call)] = region
             else:
                 self.spans.setdefault((span[0], region.call), []).append((span[1], span[2], region))
-        self.training = training
-        self.hook = hook
-        self.calls: Counter[str] = Counter()
 
     def next_call(self, path: str) -> int:
         call = self.calls[path]
@@ -80,8 +93,9 @@ class _RegionState:
 
 
 def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fingerprint: str,
-            mutated_buffers: tuple[str, ...] = ()) -> nn.Module:
-    """Run `model`'s training steps under `regions`; returns `model` itself."""
+            mutated_buffers: tuple[str, ...] = (), choose: Choose | None = None) -> nn.Module:
+    """Run `model`'s training steps under `regions`, or under those `choose` picks for a
+    forward's inputs; returns `model` itself."""
     if fingerprint != model_fingerprint(model):
         raise PlanMismatch(f"this plan was made for another model (fingerprint {fingerprint}, this model gives "
                            f"{model_fingerprint(model)}); plan again")
@@ -90,17 +104,26 @@ def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fi
                       "cache created outside it sees another cache when it reruns, and checkpoint raises; set "
                       "use_cache=False for training, as transformers' own gradient checkpointing does", stacklevel=3)
     remove(model)
-    runtime = _Runtime(regions, training, model.register_forward_pre_hook(_new_forward))
+    runtime = _Runtime(regions, training, model.register_forward_pre_hook(_new_forward), choose, mutated_buffers)
     setattr(model, _RUNTIME, runtime)
-    for path in runtime.paths:
-        module = model.get_submodule(path)
-        owned = "forward" in module.__dict__
-        prefix = f"{path}." if path else ""
-        mutated = tuple(name.removeprefix(prefix) for name in mutated_buffers if name.startswith(prefix))
-        setattr(module, _REGION, _RegionState(path, module.forward if owned else type(module).forward, owned,
-                                              mutated, runtime))
-        module.forward = types.MethodType(_region_forward, module)
+    # a chooser may make the model itself a region after its forward was looked up: take it over now
+    for path in runtime.paths + ([""] if choose is not None else []):
+        _take_over(model, path)
     return model
+
+
+def _take_over(model: nn.Module, path: str) -> None:
+    """Route the module at `path` through `_region_forward` (once)."""
+    runtime: _Runtime = getattr(model, _RUNTIME)
+    module = model.get_submodule(path)
+    if _REGION in module.__dict__:
+        return
+    owned = "forward" in module.__dict__
+    prefix = f"{path}." if path else ""
+    mutated = tuple(name.removeprefix(prefix) for name in runtime.mutated_buffers if name.startswith(prefix))
+    setattr(module, _REGION, _RegionState(path, module.forward if owned else type(module).forward, owned,
+                                          mutated, runtime))
+    module.forward = types.MethodType(_region_forward, module)
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -120,8 +143,16 @@ def remove(model: nn.Module) -> nn.Module:
     return model
 
 
-def _new_forward(model: nn.Module, args: Any) -> None:
-    getattr(model, _RUNTIME).calls.clear()
+def _new_forward(model: nn.Module, args: tuple) -> None:
+    runtime: _Runtime = getattr(model, _RUNTIME)
+    runtime.calls.clear()
+    if (runtime.choose is not None and not tracing() and torch.is_grad_enabled()
+            and model.training == runtime.training):
+        regions = runtime.choose(args)
+        if regions is not None:
+            runtime.use(regions)
+            for path in runtime.paths:
+                _take_over(model, path)
 
 
 def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
