@@ -122,27 +122,50 @@ def compare(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], to
 
     `report` is called with each result as it is measured (long runs show progress).
     """
-    inputs = tuple(inputs)
-    params = [p for p in model.parameters() if p.requires_grad]
-    resident = [params, list(model.buffers()), inputs]
-    results: list[Measured] = []
+    session = _Session(model, tuple(inputs), loss_fn, runs, report)
+    eager = ("eager", session.step_of(model))
+    eager[1]()
+    session.measure("no remat", eager, eager[1], 0.0)
+    unplanned_peak = session.results[0].peak_bytes
+    _per_block(session, eager)
+    if torch_budgets:
+        _torch_budgets(session, eager, torch_budgets, backend)
+    targets = [(r.method, r.peak_bytes) for r in session.results if r.ran and r.method != "no remat"]
+    targets += [(f"{fraction:.0%} of unplanned", int(fraction * unplanned_peak)) for fraction in fractions]
+    for matches, budget in targets:
+        _optremat(session, eager, matches, budget, unplanned_peak, time_limit)
+    return session.results
 
-    def step_of(module: Callable) -> Step:
-        return lambda: torch.autograd.grad(loss_fn(module(*inputs)), params)
 
-    def add(result: Measured) -> None:
-        results.append(result)
-        if report is not None:
-            report(result)
+class _Session:
+    """One comparison: the model's training step, the results measured so far (each
+    passed on to `report`), and how a method is measured against its baseline."""
 
-    def measure(method: str, baseline: tuple[str, Step], step: Step, setup: float, **extra: Any) -> None:
+    def __init__(self, model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor], runs: int,
+                 report: Report | None) -> None:
+        self.model, self.inputs, self.loss_fn, self.runs, self.report = model, inputs, loss_fn, runs, report
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.resident = [self.params, list(model.buffers()), inputs]
+        self.results: list[Measured] = []
+
+    def step_of(self, module: Callable) -> Step:
+        return lambda: torch.autograd.grad(self.loss_fn(module(*self.inputs)), self.params)
+
+    def add(self, result: Measured) -> None:
+        self.results.append(result)
+        if self.report is not None:
+            self.report(result)
+
+    def measure(self, method: str, baseline: tuple[str, Step], step: Step, setup: float, **extra: Any) -> None:
+        """`step`'s measured peak, and its time against `baseline`'s: the median of `runs`
+        per-pair ratios, each pair run back to back."""
         base_name, base_step = baseline
         started = time.perf_counter()
         step()
         setup += time.perf_counter() - started
-        peak = measure_peak(step, resident=resident).peak_bytes
+        peak = measure_peak(step, resident=self.resident).peak_bytes
         ratios, times = [], []
-        for _ in range(runs):
+        for _ in range(self.runs):
             pair = []
             for s in (base_step, step):
                 begin = time.perf_counter()
@@ -150,60 +173,58 @@ def compare(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], to
                 pair.append(time.perf_counter() - begin)
             ratios.append(pair[1] / pair[0])
             times.append(pair[1])
-        add(Measured(method, base_name, peak, statistics.median(ratios) - 1, statistics.median(times), setup,
-                     **extra))
+        self.add(Measured(method, base_name, peak, statistics.median(ratios) - 1, statistics.median(times), setup,
+                          **extra))
 
-    eager = ("eager", step_of(model))
-    eager[1]()
-    measure("no remat", eager, eager[1], 0.0)
-    unplanned_peak = results[0].peak_bytes
 
-    blocks = repeated_blocks(model)
-    if blocks:
-        def per_block() -> Any:
-            with checkpointed_blocks(model, blocks):
-                return eager[1]()
+def _per_block(session: _Session, eager: tuple[str, Step]) -> None:
+    """Per-block checkpointing of the model's repeated blocks, as HF and torchtitan do it."""
+    blocks = repeated_blocks(session.model)
+    if not blocks:
+        session.add(Measured("checkpoint blocks", "eager", note="no repeated blocks to checkpoint"))
+        return
 
-        measure(f"checkpoint {len(blocks)} blocks", eager, per_block, 0.0)
-    else:
-        add(Measured("checkpoint blocks", "eager", note="no repeated blocks to checkpoint"))
+    def per_block() -> Any:
+        with checkpointed_blocks(session.model, blocks):
+            return eager[1]()
 
-    if torch_budgets:
-        compiled_baseline = None
-        for budget in (1.0,) + tuple(torch_budgets):
-            started = time.perf_counter()
-            try:
-                compiled = torch.compile(model, backend=torch_budget_backend(budget, backend))
-                step = step_of(compiled)
-                step()
-            except Exception as error:  # a compiler failure is a result to report, not a crash
-                add(Measured(f"torch budget {budget:g}", backend, note=f"{type(error).__name__}: {error}"[:200]))
-                continue
-            setup = time.perf_counter() - started
-            if compiled_baseline is None:
-                compiled_baseline = (backend, step)
-                measure(f"torch budget {budget:g}", eager, step, setup)
-            else:
-                measure(f"torch budget {budget:g}", compiled_baseline, step, setup)
+    session.measure(f"checkpoint {len(blocks)} blocks", eager, per_block, 0.0)
 
-    targets = [(r.method, r.peak_bytes) for r in results if r.ran and r.method != "no remat"]
-    targets += [(f"{fraction:.0%} of unplanned", int(fraction * unplanned_peak)) for fraction in fractions]
-    for matches, budget in targets:
+
+def _torch_budgets(session: _Session, eager: tuple[str, Step], budgets: Sequence[float], backend: str) -> None:
+    """PyTorch's `activation_memory_budget` at 1 (timed against eager) and at each of
+    `budgets` (timed against the compiled step at 1)."""
+    compiled_baseline = None
+    for budget in (1.0,) + tuple(budgets):
         started = time.perf_counter()
         try:
-            planned = plan(model, inputs, budget, loss_fn=loss_fn, time_limit=time_limit)
-        except InfeasibleBudget as error:
-            add(Measured("optremat", "eager", matches=matches,
-                         note=f"infeasible: smallest {format_bytes(error.smallest)} "
-                              f"({error.smallest / unplanned_peak:.0%} of the measured unplanned peak)"))
+            step = session.step_of(torch.compile(session.model, backend=torch_budget_backend(budget, backend)))
+            step()
+        except Exception as error:  # a compiler failure is a result to report, not a crash
+            session.add(Measured(f"torch budget {budget:g}", backend, note=f"{type(error).__name__}: {error}"[:200]))
             continue
-        except ValueError as error:
-            add(Measured("optremat", "eager", matches=matches, note=str(error).split(";")[0]))
-            continue
-        measure("optremat", eager, under(model, planned, eager[1]), time.perf_counter() - started,
-                predicted_peak_bytes=planned.predicted_peak_bytes, predicted_overhead=planned.predicted_overhead,
-                matches=matches)
-    return results
+        setup = time.perf_counter() - started
+        session.measure(f"torch budget {budget:g}", compiled_baseline or eager, step, setup)
+        compiled_baseline = compiled_baseline or (backend, step)
+
+
+def _optremat(session: _Session, eager: tuple[str, Step], matches: str, budget: int, unplanned_peak: int,
+              time_limit: float) -> None:
+    """optremat planned at `budget` (the peak of the method it `matches`) and measured."""
+    started = time.perf_counter()
+    try:
+        planned = plan(session.model, session.inputs, budget, loss_fn=session.loss_fn, time_limit=time_limit)
+    except InfeasibleBudget as error:
+        session.add(Measured("optremat", "eager", matches=matches,
+                             note=f"infeasible: smallest {format_bytes(error.smallest)} "
+                                  f"({error.smallest / unplanned_peak:.0%} of the measured unplanned peak)"))
+        return
+    except ValueError as error:
+        session.add(Measured("optremat", "eager", matches=matches, note=str(error).split(";")[0]))
+        return
+    session.measure("optremat", eager, under(session.model, planned, eager[1]), time.perf_counter() - started,
+                    predicted_peak_bytes=planned.predicted_peak_bytes, predicted_overhead=planned.predicted_overhead,
+                    matches=matches)
 
 
 def under(model: nn.Module, planned: Plan, step: Callable[[], Any]) -> Callable[[], Any]:
