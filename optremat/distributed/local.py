@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -34,8 +35,16 @@ def _rank(rank: int, world: int, port: int, backend: str, directory: str, fn: Ca
         result = fn(*args)
         (Path(directory) / f"{rank}.pickle").write_bytes(pickle.dumps(result))
         dist.barrier()
-    finally:
         dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # Every rank has its result and passed the barrier. Leave without the interpreter's
+    # teardown: there a native thread still joinable at destruction aborted a rank with
+    # "terminate called without an active exception" in 1 of 10 test runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
