@@ -419,14 +419,14 @@ def test_replanning_gives_each_new_input_shape_its_own_plan(tmp_path) -> None:
     assert measured < measure_peak(step, resident=[params, larger]).peak_bytes
 
 
-def test_a_shape_no_plan_fits_keeps_the_plan_in_use_with_a_warning() -> None:
+def test_a_shape_no_plan_fits_runs_the_plan_applied_with_a_warning() -> None:
     example = build("gpt-tiny")
     model, (idx,) = example.model, example.inputs
     loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
     plan = optremat.plan(model, (idx,), 0.92, loss_fn=loss_fn, time_limit=5)
     replan = optremat.Replanning(budget="1KiB", loss_fn=loss_fn, solver="greedy")
     trained = optremat.apply(model, plan, replan=replan)
-    with pytest.warns(UserWarning, match="running the plan in use"):
+    with pytest.warns(UserWarning, match="running the plan applied"):
         loss_fn(trained(idx[: idx.shape[0] // 2])).backward()
     assert list(replan.plans.values()) == [plan]
     with pytest.raises(ValueError, match="solver"):

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from optremat.budget import check_budget
 from optremat.extract import tensor_type
 from optremat.plan import Plan
-from optremat.planning import plan as plan_step_of
+from optremat.planning import plan as make_plan
 from optremat.regions import Region
 from optremat.runtime import native
 from optremat.solve import SOLVERS
@@ -29,7 +29,7 @@ class Replanning:
     sequence length), at `budget`: bytes or a size hold for every shape, a fraction is of
     each shape's unplanned peak; None keeps the applied plan's budget in bytes. The other
     fields are `plan()`'s; with `cache`, a shape planned once loads in later runs. A shape
-    no plan fits keeps running the plan in use, with a warning naming the smallest budget.
+    no plan fits runs the plan applied, with a warning naming the smallest budget.
     `plans` holds the plan made for each shape, by its inputs' tensor types."""
 
     budget: int | float | str | None = None
@@ -58,10 +58,10 @@ class Replanning:
     def _plan(self, model: nn.Module, args: tuple, applied: Plan, key: tuple[str, ...]) -> Plan:
         budget = applied.budget_bytes if self.budget is None else self.budget
         try:
-            made = plan_step_of(model, args, budget, loss_fn=self.loss_fn, cache=self.cache, solver=self.solver,
-                                time_limit=self.time_limit, parallel=applied.parallel)
+            made = make_plan(model, args, budget, loss_fn=self.loss_fn, cache=self.cache, solver=self.solver,
+                             time_limit=self.time_limit, parallel=applied.parallel)
         except ValueError as error:  # InfeasibleBudget, or a budget below what every step holds
-            warnings.warn(f"optremat: inputs {', '.join(key)}: {error}; running the plan in use", stacklevel=4)
+            warnings.warn(f"optremat: inputs {', '.join(key)}: {error}; running the plan applied", stacklevel=4)
             return applied
         log.info("optremat: inputs %s planned: %s", ", ".join(key), made.summary().splitlines()[0])
         return made
