@@ -22,7 +22,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from optremat.costs import DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
 from optremat.graph import Graph
@@ -37,24 +37,17 @@ class ExtractionError(RuntimeError):
 class Traced:
     """A traced training step: the fx graph and the Graph built from it.
 
-    `output_spec` is the pytree structure of the model's output; `output_leaves` holds,
-    per leaf, the name of the fx node producing it or the constant itself. `grad_of`
-    gives, per Graph node, the forward node whose autograd node ran it in the backward
+    `grad_of` gives, per Graph node, the forward node whose autograd node ran it in the backward
     (-1 for forward nodes and for backward ops autograd runs between nodes, such as the
     sums of gradients); a saved tensor is saved by that autograd node. `gradients`
     names the parameters whose gradients the step returns, in order, and `gradient_nodes`
-    the Graph nodes holding them; `tangents` lists
-    which tensor leaves of the output take a gradient as an input of the step (none when
-    a loss function is folded in).
+    the Graph nodes holding them.
     """
 
     module: torch.fx.GraphModule
     graph: Graph
-    output_spec: TreeSpec
-    output_leaves: tuple[Any, ...]
     grad_of: np.ndarray
     gradients: tuple[str, ...] = ()
-    tangents: tuple[int, ...] = ()
     calls: tuple[tuple[tuple[str, int], ...], ...] = ()
     random: tuple[bool, ...] = ()
     mutated_buffers: tuple[str, ...] = ()
@@ -126,19 +119,14 @@ def trace(
 
     def step(params: dict, buffers: dict, inputs: tuple, grad_outputs: list) -> tuple:
         out = torch.func.functional_call(model, (params, buffers), inputs)
-        leaves, structure["spec"] = tree_flatten(out)
-        structure["leaves"] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
         if loss_fn is not None:
             roots, root_grads = [loss_fn(out)], None
         else:
             roots, root_grads = _grad_leaves(out), grad_outputs
         with _phase("backward"), _tag_grad_fns(roots):
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
-        structure["results"] = len(tree_leaves((roots, grads)))
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        structure["tangents"] = () if loss_fn is not None else tuple(i for i, t in enumerate(tensors) if t.requires_grad)
-        return roots, grads, [t for t in leaves if isinstance(t, torch.Tensor)]
+        return roots, grads
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
@@ -152,9 +140,7 @@ def trace(
                          + ["input"] * len(tree_leaves(inputs)) + ["input"] * len(grad_outputs))
     param_names = list(params) + list(buffers)
     costs = _costs(gm, args, cost_model, device_profile(device))
-    returned = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-    results, produced = returned[:structure["results"]], iter(node.name for node in returned[structure["results"]:])
-    leaves = tuple(next(produced) if value is None else value for value in structure["leaves"])
+    results = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
     # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
     fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
@@ -170,9 +156,8 @@ def trace(
     grad_of = _grad_of(gm, graph)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)))
-    return Traced(gm, graph, structure["spec"], leaves, grad_of, structure["gradients"],
-                  structure["tangents"], calls, random, _mutated_buffers(gm, list(params), list(buffers)),
-                  gradient_nodes)
+    return Traced(gm, graph, grad_of, structure["gradients"], calls, random,
+                  _mutated_buffers(gm, list(params), list(buffers)), gradient_nodes)
 
 
 def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
