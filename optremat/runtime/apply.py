@@ -47,7 +47,7 @@ class Replanning:
 
     def chooser(self, model: nn.Module, applied: Plan) -> native.Choose:
         """What picks the regions of `model`'s forward for its inputs, `applied` first."""
-        def choose(args: tuple) -> tuple[Region, ...] | None:
+        def choose(args: tuple) -> tuple[Region, ...]:
             key = tuple(tensor_type(leaf) for leaf in tree_leaves(args))
             if key not in self.plans:
                 self.plans[key] = applied if _planned_for(applied, key) else self._plan(model, args, applied, key)

@@ -38,9 +38,8 @@ class PlanMismatch(ValueError):
     """A plan applied to a model it was not made for."""
 
 
-Choose = Callable[[tuple], "tuple[Region, ...] | None"]
-"""Given a training forward's positional inputs, the regions to run it under (None: the
-ones in use)."""
+Choose = Callable[[tuple], "tuple[Region, ...]"]
+"""Given a training forward's positional inputs, the regions to run it under."""
 
 
 class _Runtime:
@@ -148,11 +147,9 @@ def _new_forward(model: nn.Module, args: tuple) -> None:
     runtime.calls.clear()
     if (runtime.choose is not None and not tracing() and torch.is_grad_enabled()
             and model.training == runtime.training):
-        regions = runtime.choose(args)
-        if regions is not None:
-            runtime.use(regions)
-            for path in runtime.paths:
-                _take_over(model, path)
+        runtime.use(runtime.choose(args))
+        for path in runtime.paths:
+            _take_over(model, path)
 
 
 def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
