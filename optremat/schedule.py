@@ -246,6 +246,30 @@ def simulate(graph: Graph, schedule: Schedule, *, allocations: bool = False,
                      allocations=table, shared=run.shared)
 
 
+def run_peak(graph: Graph, ops: Iterable[int], live: Iterable[int], keep: Iterable[int]) -> int:
+    """The peak bytes of computing `ops` once each, in order, with the values `live` held
+    from the start: `simulate`'s memory model for one pass with no recomputation, for
+    models that price a piece of a step (the DP's block tables). Each op allocates while
+    its inputs live; after it, whatever no later op of the pass reads is freed unless it
+    is in `keep`. Inputs neither live nor computed in the pass count nothing."""
+    ops, keep = list(ops), set(keep)
+    last = {p: pos for pos, v in enumerate(ops) for p in graph.preds[v].tolist()}
+    storage = _Storage(graph, allocations=False)
+    held = sorted(set(live))
+    for v in held:
+        storage.hold(v, fresh=int(graph.alias_of[v]) not in held)
+    peak = storage.bytes
+    for pos, v in enumerate(ops):
+        storage.hold(v)
+        held.append(v)
+        peak = max(peak, storage.bytes + int(graph.workspace[v]))
+        dying = {p for p in held if last.get(p, -1) <= pos and p not in keep}
+        for p in dying:
+            storage.release(p)
+        held = [p for p in held if p not in dying]
+    return peak
+
+
 class _Storage:
     """Storage instances and how many live values hold each: a computation of a node that
     owns storage opens fresh instances of its units, an alias holds its base's, and an
@@ -265,16 +289,19 @@ class _Storage:
         self.opened: dict[int, tuple[int, int]] = {}
         self.closed: list[tuple[int, int, int]] = []
 
-    def hold(self, i: int) -> None:
-        if self.is_part[i]:
-            self.of[i] = {i: self.of[self.alias_of[i]][i]}
-        elif self.alias_of[i] >= 0:
-            self.of[i] = self.of[self.alias_of[i]]
-        else:
+    def hold(self, i: int, fresh: bool = False) -> None:
+        """Node i becomes live: an alias or a part holds its base's instances (none if
+        its base never lived), anything else, or anything with `fresh`, new ones."""
+        base = self.alias_of[i]
+        if fresh or base < 0:
             self.of[i] = {}
             for unit in self.units[i]:
                 self.of[i][unit] = len(self.holders)
                 self.holders.append(0)
+        elif self.is_part[i]:
+            self.of[i] = {i: self.of[base][i]} if i in self.of[base] else {}
+        else:
+            self.of[i] = self.of[base]
         for unit, instance in self.of[i].items():
             self.holders[instance] += 1
             if self.holders[instance] == 1:

@@ -4,7 +4,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InvalidSchedule, Schedule, from_kept, keep_all, recompute_all, simulate
-from optremat.schedule import without_recomputing
+from optremat.schedule import run_peak, without_recomputing
 from tests.dags import graphs
 
 
@@ -74,6 +74,21 @@ def test_simulate_agrees_with_brute_force(g, data):
         res = simulate(g, schedule)
         assert res.peak_bytes == brute_force_peak(g, schedule)
         assert res.cost >= g.total_cost - 1e-9
+
+
+@settings(max_examples=150)
+@given(graphs(), st.data())
+def test_one_pass_is_priced_as_simulate_prices_it(g, data):
+    resident = np.nonzero(g.pinned | g.output)[0].tolist()
+    assert run_peak(g, range(g.n), [], resident) == simulate(g, keep_all(g)).peak_bytes
+    start = data.draw(st.integers(0, g.n))
+    held = [v for v in range(start) if g.pinned[v] or g.output[v] or any(k >= start for k in g.succs[v].tolist())]
+    later = simulate(g, keep_all(g)).curve[start:]
+    assert run_peak(g, range(start, g.n), held, resident) == max([*later, sum_units(g, held)])
+
+
+def sum_units(g: Graph, nodes: list[int]) -> int:
+    return int(sum(g.unit_size[u] for u in {u for v in nodes for u in g.units[v]}))
 
 
 @settings(max_examples=100)

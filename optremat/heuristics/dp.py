@@ -40,7 +40,7 @@ from optremat.budget import InfeasibleBudget
 from optremat.graph import Graph
 from optremat.heuristics.chen import cut_points
 from optremat.heuristics.select import droppable
-from optremat.schedule import Schedule, from_computations, keep_all, simulate
+from optremat.schedule import Schedule, from_computations, keep_all, run_peak, simulate
 
 MAX_BLOCKS = 64
 MAX_SLOTS = 256
@@ -176,45 +176,25 @@ def _describe(graph: Graph, forward: np.ndarray, cuts: list[int]) -> Blocks:
         fields["full"].append(tuple(full))
         fields["leaf"].append(tuple(leaf))
         fields["hold"].append(owned([c] + inner))
-        into = {lo: x[k - 1]} if lo >= 0 else {}
-        fields["peak_from"].append(_run_peak(graph, advance, into, {c}))
-        fields["peak_after"].append(_run_peak(graph, advance, {}, {c}))
-        fields["peak_full"].append(_run_peak(graph, full, {}, {c, *inner}))
+        into = [lo] if lo >= 0 else []
+        fields["peak_from"].append(run_peak(graph, advance, into, {c}))
+        fields["peak_after"].append(run_peak(graph, advance, [], {c}))
+        fields["peak_full"].append(run_peak(graph, full, [], {c, *inner}))
         entering_bytes = owned(entering)
-        live_in = {v: owned([v]) for v in entering + inner}
+        live_in = entering + inner
         released = lo >= 0 and lo not in seg_reads and lo not in previous_inner
         previous_inner = set(inner)
-        direct = _run_peak(graph, segment, live_in, {v for v in live_in if resident[v] or last_read[v] >= s_end}
+        direct = run_peak(graph, segment, live_in, {v for v in live_in if resident[v] or last_read[v] >= s_end}
                            | {v for v in segment if resident[v] or last_read[v] >= s_end})
         fields["entering"].append(entering_bytes)
         direct -= x[k - 1] if released else 0
-        fields["leaf_need"].append(max(entering_bytes + _run_peak(graph, leaf, {}, set(inner)), direct))
+        fields["leaf_need"].append(max(entering_bytes + run_peak(graph, leaf, [], inner), direct))
         fields["direct_need"].append(direct)
         for key, nodes in (("cost_advance", advance), ("cost_full", full), ("cost_leaf", leaf)):
             fields[key].append(float(graph.cost[list(nodes)].sum()) if nodes else 0.0)
     arrays = {key: np.array(value) for key, value in fields.items() if key not in ("advance", "full", "leaf")}
     return Blocks(cut=tuple([-1] + cuts), start=tuple([n] + start), advance=tuple(fields["advance"]),
                   full=tuple(fields["full"]), leaf=tuple(fields["leaf"]), x=np.array(x), **arrays)
-
-
-
-def _run_peak(graph: Graph, ops: list[int], live: dict[int, int], keep: set[int]) -> int:
-    """The peak bytes of running `ops` in order from `live`, each allocating while its
-    inputs live, freeing what no later op of the run reads unless it is in `keep`."""
-    last = {}
-    for v in ops:
-        for p in graph.preds[v].tolist():
-            last[p] = v
-    held = dict(live)
-    peak = sum(held.values())
-    for v in ops:
-        mine = int(sum(graph.unit_size[u] for u in graph.units[v]
-                       if (u == v and not graph.is_part[v]) or graph.alias_of[u] == v))
-        peak = max(peak, sum(held.values()) + mine + int(graph.workspace[v]))
-        held[v] = mine
-        for p in [p for p in held if last.get(p, -1) <= v and p not in keep]:
-            del held[p]
-    return peak
 
 
 @dataclass(frozen=True)
