@@ -114,13 +114,13 @@ def workspace_bytes(node: torch.fx.Node) -> int:
     """Temporaries a kernel allocates beyond its outputs, for the kernels known to.
 
     Measured on PyTorch's CPU (oneDNN) kernels: a convolution's backward holds reordered
-    copies of its output gradient and its input while it runs; a strided or transposed
-    one builds its input gradient in a scratch buffer instead of the first.
+    copies of its output gradient and its input while it runs (transposed ones too); a
+    strided one builds its input gradient in a scratch buffer instead of the first.
     """
     if getattr(node.target, "overloadpacket", None) is aten.convolution_backward:
-        stride, transposed = node.args[4], node.args[6]
+        stride, transposed = node.args[4], node.args[7]
         grad_output, inputs = (tensor_bytes(node.args[k].meta.get("val")) for k in (0, 1))
-        if transposed or any(s != 1 for s in stride):
+        if not transposed and any(s != 1 for s in stride):
             return 2 * inputs
         return grad_output + inputs
     return 0
