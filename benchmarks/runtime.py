@@ -1,7 +1,7 @@
 """Plans executed: predicted vs measured peak and step-time overhead of the runtime.
 
     python -m benchmarks.runtime [--models gpt-tiny,resnet-tiny,...] [--budgets 0.3,0.5,0.7,0.9]
-                                 [--limit 30] [--runs 5] [--out runtime.md]
+                                 [--limit 30] [--runs 5] [--cost-model roofline|profile] [--out runtime.md]
 
 For each built-in model and budget (a fraction of the unplanned simulated peak)
 it plans with `optremat.plan(..., solver="auto")`, applies the plan, and runs float32
@@ -39,13 +39,13 @@ DESCRIPTION = ("Budgets are fractions of the unplanned simulated peak (parameter
 
 
 def section(models: list[str], budgets: list[float], limit: float, runs: int,
-            written: Callable[[str], None] | None = None) -> str:
+            written: Callable[[str], None] | None = None, cost_model: str = "roofline") -> str:
     """The table of every model and budget; `written`, when given, receives the
     table so far after each row, so a long run leaves its finished rows behind."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     print("  ".join(HEADER), flush=True)
     for name in models:
-        for cells in rows(name, budgets, limit, runs):
+        for cells in rows(name, budgets, limit, runs, cost_model):
             print("  ".join(cells), flush=True)
             lines.append("| " + " | ".join(cells) + " |")
             if written is not None:
@@ -53,7 +53,8 @@ def section(models: list[str], budgets: list[float], limit: float, runs: int,
     return "\n".join(lines)
 
 
-def rows(name: str, budgets: list[float], limit: float, runs: int) -> Iterator[list[str]]:
+def rows(name: str, budgets: list[float], limit: float, runs: int, cost_model: str = "roofline"
+         ) -> Iterator[list[str]]:
     """One row per budget; where a budget is infeasible, a last row at the smallest
     budget the planner reached, so every model shows a plan at its tightest."""
     example = build(name)
@@ -68,7 +69,7 @@ def rows(name: str, budgets: list[float], limit: float, runs: int) -> Iterator[l
         label = f"{budget:.0%}" if isinstance(budget, float) else f"smallest ({format_bytes(budget)})"
         started = time.perf_counter()
         try:
-            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=limit)
+            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=limit, cost_model=cost_model)
         except optremat.InfeasibleBudget as error:
             return [name, label, f"infeasible (smallest {format_bytes(error.smallest)}, "
                     f"{error.smallest / _baseline(model, inputs, loss_fn):.0%})"] + ["-"] * 7, error.smallest
@@ -113,16 +114,18 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
     parser.add_argument("--limit", type=float, default=30.0, help="solver time limit per plan, seconds")
     parser.add_argument("--runs", type=int, default=5, help="interleaved timing pairs per plan")
+    parser.add_argument("--cost-model", default="roofline", choices=("roofline", "profile"),
+                        help="op costs the plans are priced with: the roofline model, or each op timed on this machine")
     parser.add_argument("--out", default="runtime.md", help="file name under benchmarks/")
     args = parser.parse_args()
     out = OUT.with_name(args.out)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     intro = (f"# The runtime: predicted vs measured (CPU, float32; {args.models})\n\n"
              f"Machine: {machine}, no GPU. Command: `python -m benchmarks.runtime --models {args.models} "
-             f"--budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} "
+             f"--budgets {args.budgets} --limit {args.limit:g} --runs {args.runs} --cost-model {args.cost_model} "
              f"--out {args.out}`. {DESCRIPTION}\n\n")
     section(args.models.split(","), [float(b) for b in args.budgets.split(",")],
-            args.limit, args.runs, lambda text: out.write_text(intro + text + "\n"))
+            args.limit, args.runs, lambda text: out.write_text(intro + text + "\n"), args.cost_model)
     print(f"wrote {out}")
 
 
