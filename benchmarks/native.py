@@ -1,21 +1,24 @@
 """Equal measured peak: optremat's native runtime against what users pick instead.
 
     python -m benchmarks.native [--models gpt-mini,resnet-mini,llama] [--rounds 9] [--limit 20]
-                                [--device cuda --backend inductor]
+                                [--cost-model roofline|profile] [--device cuda --backend inductor]
 
 For each model: the unplanned step, per-block checkpointing (HF's
 `gradient_checkpointing_enable()` for the Llama, non-reentrant `torch.utils.checkpoint`
 around every repeated block for the built-in models) and `torch.compile` with PyTorch's
 `activation_memory_budget` at 0.5 and 0.3 (backend aot_eager_decomp_partition unless
 `--backend` names another, a fresh backend callable per budget) are measured; optremat is planned with each peer's measured
-peak as its budget ("= peer"), and at 50/70/90% of the unplanned simulated peak. Every
+peak as its budget ("= peer"), and at 50/70/90% of the unplanned simulated peak; at each
+PyTorch budget's peak, `optremat.compile_backend` (inner aot_eager, or Inductor where the
+peers run Inductor) is compiled too ("compile_backend = torch f"), what a user of
+`torch.compile` picks instead of PyTorch's budget. Every
 configuration's step time is measured in the same process over `rounds` rounds after one
 uncounted warm-up round; in each round the configurations run in a shuffled order, each
 right after a step of its baseline, and the overhead is the median of the per-round ratios
 to that baseline, the unplanned step of the same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
 for PyTorch's budgets. The Llama (transformers' `LlamaConfig`, random weights,
 sdpa attention, dataclass output, no KV cache in training; on a GPU a larger
-configuration in bfloat16) computes its loss outside the model, from the logits, as users do; optremat is planned once with that loss given (`loss_fn`) and once without.
+configuration in bfloat16) computes its loss outside the model, from the logits, as users do; optremat is planned with that loss given (`loss_fn`) and, at per-block checkpointing's peak and at 70% and 90%, without it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -103,7 +107,8 @@ def case_of(name: str, device: str) -> Case:
     return llama(device) if name == "llama" else built_in(name, device)
 
 
-def rows(name: str, rounds: int, limit: float, device: str, backend: str) -> list[list[str]]:
+def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_model: str = "roofline"
+         ) -> list[list[str]]:
     case = case_of(name, device)
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
@@ -126,7 +131,8 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str) -> lis
     methods["per-block"] = (blocks, {"method": "per-block checkpoint", "measured peak": format_bytes(block_peak)})
     budgets: list[tuple[str, int | float, bool]] = [("= per-block", block_peak, True)]
     if name == "llama":
-        budgets.append(("= per-block, no loss_fn", block_peak, False))
+        budgets += [("= per-block, no loss_fn", block_peak, False), ("70%, no loss_fn", 0.7, False),
+                    ("90%, no loss_fn", 0.9, False)]
     for fraction in (1.0, 0.5, 0.3):
         compiled = step_of(torch.compile(model, backend=torch_budget_backend(fraction, backend)))
         peak = measured(compiled)
@@ -135,11 +141,15 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str) -> lis
                                    "measured peak": format_bytes(peak)})
         if fraction < 1.0:
             budgets.append((f"= torch {fraction:g}", peak, True))
+            methods[f"compile_backend = torch {fraction:g}"] = _compiled_plan(
+                case, name, f"= torch {fraction:g}", peak, "inductor" if backend == "inductor" else "aot_eager", limit,
+                step_of, measured)
     budgets += [(f"{f:.0%}", f, True) for f in (0.5, 0.7, 0.9)]
     for label, budget, with_loss in budgets:
         started = time.perf_counter()
         try:
-            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn if with_loss else None, time_limit=limit)
+            plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn if with_loss else None, time_limit=limit,
+                                 cost_model=cost_model)
         except optremat.InfeasibleBudget as error:
             methods[label] = (None, {"method": "optremat", "budget": label,
                                      "predicted peak": f"infeasible (smallest {format_bytes(error.smallest)})"})
@@ -159,11 +169,36 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str) -> lis
         keys = list(ratios)
         order.shuffle(keys)
         for key in keys:
-            baseline = methods["compiled" if key.startswith("torch") or key == "compiled" else "unplanned"][0]
+            baseline = methods["compiled" if key.startswith(("torch", "compile")) else "unplanned"][0]
             ratios[key].append(_seconds(methods[key][0], device) / _seconds(baseline, device))
     for key, values in ratios.items():
         methods[key][1]["measured overhead (median)"] = f"{statistics.median(values) - 1:+.1%}"
     return [[name] + [fields.get(column, "-") for column in HEADER[1:]] for _, fields in methods.values()]
+
+
+def _compiled_plan(case: Case, name: str, label: str, budget: int, inner: str, limit: float,
+                   step_of: Callable[[torch.nn.Module], Callable[[], Any]], measured: Callable[[Callable[[], Any]], int]
+                   ) -> tuple[Callable[[], Any] | None, dict[str, str]]:
+    """`optremat.compile_backend` at `budget` bytes (`label` names it): its step (None
+    when infeasible) and its row's fields."""
+    # the backend's loss_fn takes the outputs that get a gradient: the Llama's logits tensor
+    priced = (lambda logits: case.loss_fn(SimpleNamespace(logits=logits))) if name == "llama" else case.loss_fn
+    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=priced)
+    method = f"optremat compile_backend ({inner})"
+    started = time.perf_counter()
+    step = step_of(torch.compile(case.model, backend=backend, dynamic=False))
+    try:
+        peak = measured(step)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        if not isinstance(error.inner_exception, optremat.InfeasibleBudget):
+            raise
+        smallest = format_bytes(error.inner_exception.smallest)
+        return None, {"method": method, "budget": label, "predicted peak": f"infeasible (smallest {smallest})"}
+    plan = backend.plans[0]
+    return step, {"method": method, "budget": label, "predicted peak": format_bytes(plan.predicted_peak_bytes),
+                  "measured peak": format_bytes(peak), "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
+                  "predicted overhead": f"{plan.predicted_overhead:+.1%}",
+                  "plan s": f"{sum(p.solve_seconds for p in backend.plans):.1f} (compile {time.perf_counter() - started:.0f})"}
 
 
 def _seconds(run: Callable[[], Any], device: str) -> float:
@@ -180,6 +215,8 @@ def main() -> None:
     parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
+    parser.add_argument("--cost-model", default="roofline", choices=("roofline", "profile"),
+                        help="op costs the native plans are priced with: the roofline model, or each op timed here")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default="aot_eager_decomp_partition",
                         help="what torch.compile runs the peers' partitions with (e.g. inductor)")
@@ -195,7 +232,7 @@ def main() -> None:
     head = ["# Native runtime at equal measured peak", "",
             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
             __doc__.split("\n\n", 2)[2].strip(), ""]
-    write_rows(out, head, HEADER, (rows(name, args.rounds, args.limit, args.device, args.backend)
+    write_rows(out, head, HEADER, (rows(name, args.rounds, args.limit, args.device, args.backend, args.cost_model)
                                    for name in args.models.split(",")))
 
 
