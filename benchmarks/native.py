@@ -16,7 +16,8 @@ configuration's step time is measured in the same process over `rounds` rounds a
 uncounted warm-up round; in each round the configurations run in a shuffled order, each
 right after a step of its baseline, and the overhead is the median of the per-round ratios
 to that baseline, the unplanned step of the same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
-for PyTorch's budgets. The Llama (transformers' `LlamaConfig`, random weights,
+for PyTorch's budgets and compile_backend. "optremat / peer" is the median of the per-round ratios of an optremat row's
+step time to that of the peer whose peak it was given. The Llama (transformers' `LlamaConfig`, random weights,
 sdpa attention, dataclass output, no KV cache in training; on a GPU a larger
 configuration in bfloat16) computes its loss outside the model, from the logits, as users do; optremat is planned with that loss given (`loss_fn`) and, at per-block checkpointing's peak and at 70% and 90%, without it.
 """
@@ -46,7 +47,7 @@ from optremat.models import build
 from optremat.runtime.measure import measure_peak
 
 HEADER = ["model", "method", "budget", "predicted peak", "measured peak", "measured / predicted",
-          "predicted overhead", "measured overhead (median)", "plan s"]
+          "predicted overhead", "measured overhead (median)", "optremat / peer (median)", "plan s"]
 
 
 @dataclass
@@ -161,19 +162,33 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
             "method": "optremat", "budget": label, "predicted peak": format_bytes(plan.predicted_peak_bytes),
             "measured peak": format_bytes(peak), "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
             "predicted overhead": f"{plan.predicted_overhead:+.1%}", "plan s": f"{seconds:.1f}"})
-    ratios: dict[str, list[float]] = {key: [] for key, (run, _) in methods.items() if run is not None}
+    _time(methods, rounds, device)
+    return [[name] + [fields.get(column, "-") for column in HEADER[1:]] for _, fields in methods.values()]
+
+
+def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], rounds: int, device: str) -> None:
+    """Each configuration's median overhead over its baseline (the unplanned step of the
+    same mode), and each optremat row's median per-round ratio to the peer whose peak it
+    was given."""
+    runs = {key: run for key, (run, _) in methods.items() if run is not None}
+    seconds: dict[str, list[float]] = {key: [] for key in runs}
+    ratios: dict[str, list[float]] = {key: [] for key in runs}
     order = random.Random(0)
-    for key in ratios:
-        methods[key][0]()
+    for run in runs.values():
+        run()
     for _ in range(rounds):
-        keys = list(ratios)
+        keys = list(runs)
         order.shuffle(keys)
         for key in keys:
-            baseline = methods["compiled" if key.startswith(("torch", "compile")) else "unplanned"][0]
-            ratios[key].append(_seconds(methods[key][0], device) / _seconds(baseline, device))
-    for key, values in ratios.items():
-        methods[key][1]["measured overhead (median)"] = f"{statistics.median(values) - 1:+.1%}"
-    return [[name] + [fields.get(column, "-") for column in HEADER[1:]] for _, fields in methods.values()]
+            baseline = _seconds(runs["compiled" if key.startswith(("torch", "compile")) else "unplanned"], device)
+            seconds[key].append(_seconds(runs[key], device))
+            ratios[key].append(seconds[key][-1] / baseline)
+    for key in runs:
+        fields = methods[key][1]
+        fields["measured overhead (median)"] = f"{statistics.median(ratios[key]) - 1:+.1%}"
+        peer = key.split("= ", 1)[1].split(",")[0] if "= " in key else None
+        if peer in runs:
+            fields["optremat / peer (median)"] = f"{statistics.median(m / p for m, p in zip(seconds[key], seconds[peer])):.3f}"
 
 
 def _compiled_plan(case: Case, name: str, label: str, budget: int, inner: str, limit: float,
