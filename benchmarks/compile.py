@@ -29,13 +29,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 import optremat
-from benchmarks.native import _seconds, case_of
+from benchmarks.native import _seconds, case_of, compiled_loss
 from benchmarks.report import table, write_rows
 from optremat.bench import torch_budget_backend
 from optremat.graph import format_bytes
@@ -85,8 +84,7 @@ def rows(name: str, inner: str, rounds: int, limit: float) -> list[list[str]]:
         print(name, inner, key, format_bytes(peaks[key]), flush=True)
     budgets = [(f"= {key}", peaks[key]) for key in peaks if key != "unplanned"]
     budgets += [(f"{f:.0%} of unplanned", int(f * peaks["unplanned"])) for f in FRACTIONS]
-    # the backend's loss_fn takes the outputs that get a gradient: the Llama's logits tensor
-    priced = (lambda logits: loss_fn(SimpleNamespace(logits=logits))) if name == "llama" else loss_fn
+    priced = compiled_loss(case, name)
     for label, budget in budgets:
         backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=priced)
         try:

@@ -103,6 +103,12 @@ def built_in(name: str, device: str) -> Case:
     return Case(example.model, example.inputs, example.loss_fn, per_block)
 
 
+def compiled_loss(case: Case, name: str) -> Callable[[Any], torch.Tensor]:
+    """`case`'s loss as a compile backend's `loss_fn` takes it: on the outputs that get a
+    gradient, which for the Llama is its logits tensor, not its dataclass output."""
+    return (lambda logits: case.loss_fn(SimpleNamespace(logits=logits))) if name == "llama" else case.loss_fn
+
+
 def case_of(name: str, device: str) -> Case:
     """The Llama or a built-in model by name."""
     return llama(device) if name == "llama" else built_in(name, device)
@@ -196,9 +202,7 @@ def _compiled_plan(case: Case, name: str, label: str, budget: int, inner: str, l
                    ) -> tuple[Callable[[], Any] | None, dict[str, str]]:
     """`optremat.compile_backend` at `budget` bytes (`label` names it): its step (None
     when infeasible) and its row's fields."""
-    # the backend's loss_fn takes the outputs that get a gradient: the Llama's logits tensor
-    priced = (lambda logits: case.loss_fn(SimpleNamespace(logits=logits))) if name == "llama" else case.loss_fn
-    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=priced)
+    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=compiled_loss(case, name))
     method = f"optremat compile_backend ({inner})"
     started = time.perf_counter()
     step = step_of(torch.compile(case.model, backend=backend, dynamic=False))
