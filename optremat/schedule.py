@@ -165,6 +165,45 @@ def without_recomputing(graph: Graph, schedule: Schedule, nodes: np.ndarray) -> 
     return from_computations(graph, [(i, s) for i, s, _ in schedule.events if s != i and not nodes[i]])
 
 
+def without_unread(graph: Graph, schedule: Schedule) -> Schedule:
+    """`schedule` without the recomputations whose result no computation reads (the
+    latest computation of a node at or before a read serves it), as a compiled graph's
+    dead-code elimination drops them: a multi-output op rerun when none of its outputs
+    is, and then what only it read. Each tensor lives until the last read it serves."""
+    computations = {(i, s) for i, s, _ in schedule.events if s != i}
+    while True:
+        copies = [[i] for i in range(graph.n)]
+        for i, s in sorted(computations, key=lambda c: c[1]):
+            copies[i].append(s)
+        for c in copies:
+            c.sort()
+        read = {(p, copies[p][bisect_right(copies[p], s) - 1])
+                for k in range(graph.n) for s in copies[k] for p in graph.preds[k].tolist()}
+        unread = {c for c in computations if c not in read}
+        if not unread:
+            return from_computations(graph, computations)
+        computations -= unread
+
+
+def read_through(graph: Graph, nodes: np.ndarray) -> Graph:
+    """`graph` as run by a compiler that computes each node of `nodes` (a mask; one output
+    of a multi-output op only with its op) inside the kernels that read it: such a node,
+    and any alias of it, holds no storage, and its readers read its inputs too (through
+    chains of such nodes), so those inputs live until the readers run. Price a schedule
+    of `graph` on it after `without_recomputing`, which sets each tensor's life anew."""
+    inline = np.asarray(nodes, dtype=bool) & ~graph.is_part
+    for v in np.nonzero(graph.alias_of >= 0)[0].tolist():
+        inline[v] |= bool(inline[graph.alias_of[v]])
+    sources: list[frozenset[int]] = []
+    for v in range(graph.n):
+        sources.append(frozenset().union(*(sources[p] if inline[p] else {p} for p in graph.preds[v].tolist())))
+    edges = {(p, v) for v in range(graph.n) for p in sources[v]} | set(map(tuple, graph.edges.tolist()))
+    return Graph.build(names=graph.names, ops=graph.ops, cost=graph.cost, size=np.where(inline, 0, graph.size),
+                       edges=edges, backward=graph.backward, kind=graph.kind, module=graph.module,
+                       alias_of=graph.alias_of, output=graph.output, fusible=graph.fusible,
+                       workspace=graph.workspace, tensor=graph.tensor, held=graph.held)
+
+
 def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
     """Forward nodes whose first computation serves a read in a backward node's stage (by
     the backward node itself or by a recomputation placed there)."""

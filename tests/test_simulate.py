@@ -4,7 +4,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InvalidSchedule, Schedule, from_kept, keep_all, recompute_all, simulate
-from optremat.schedule import run_peak, without_recomputing
+from optremat.schedule import from_computations, read_through, run_peak, without_recomputing, without_unread
 from tests.dags import graphs
 
 
@@ -194,3 +194,38 @@ def test_dropping_recomputations_keeps_one_computation_of_each_masked_node(g, da
     result = simulate(g, dropped)
     assert result.cost <= simulate(g, schedule).cost + 1e-9
     assert result.peak_bytes == brute_force_peak(g, dropped)
+
+
+def test_an_op_read_through_keeps_its_inputs_until_its_reader_runs():
+    # a(10), b(10) -> c = a + b (10); x(10) runs between c and its reader d(10)
+    g = Graph.build(cost=[1] * 5, size=[10] * 5, edges=[(0, 2), (1, 2), (3, 4), (2, 4)], output=[False] * 4 + [True])
+    assert simulate(g, keep_all(g)).curve.tolist() == [10, 20, 30, 20, 30]
+    priced = read_through(g, np.array([False, False, True, False, False]))
+    assert simulate(priced, keep_all(priced)).curve.tolist() == [10, 20, 20, 30, 40]
+
+
+@given(graphs(), st.data())
+def test_reading_through_ops_runs_every_computation_and_is_priced_from_first_principles(g, data):
+    kept = np.array(data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n)))
+    schedule = from_kept(g, kept)
+    inline = np.array(data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n))) & ~g.pinned
+    priced = read_through(g, inline)
+    through = without_recomputing(priced, schedule, g.pinned)
+    assert sorted(through.node.tolist()) == sorted(schedule.node.tolist())
+    assert simulate(priced, through).peak_bytes == brute_force_peak(priced, through)
+    unchanged = read_through(g, np.zeros(g.n, dtype=bool))
+    assert unchanged.fingerprint == g.fingerprint
+
+
+@given(graphs(), st.data())
+def test_dropping_unread_recomputations_keeps_every_read_and_never_costs_more(g, data):
+    kept = np.array(data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n)))
+    extra = data.draw(st.lists(st.tuples(st.integers(0, g.n - 1), st.integers(0, g.n - 1)), max_size=4))
+    recomputed = [(i, s) for i, s, _ in from_kept(g, kept).events if s != i]
+    padded = from_computations(g, recomputed + [(i, s) for i, s in extra if s > i and not (g.pinned[i] or g.output[i])])
+    pruned = without_unread(g, padded)
+    assert simulate(g, pruned).peak_bytes <= simulate(g, padded).peak_bytes
+    assert simulate(g, pruned).cost <= simulate(g, padded).cost
+    stages = {i: sorted(s for k, s, _ in pruned.events if k == i) for i in range(g.n)}
+    served = {(p, max(t for t in stages[p] if t <= s)) for k, s, _ in pruned.events for p in g.preds[k].tolist()}
+    assert all((i, s) in served for i, s, _ in pruned.events if s != i)

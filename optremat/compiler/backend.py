@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from optremat.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.cache import PlanCache
+from optremat.compiler.inductor import inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.partition import partition, writable
 from optremat.costs import DeviceProfile, device_profile, profile_for
@@ -32,7 +33,7 @@ from optremat.graph import Graph
 from optremat.op_plan import ATTEMPTS, least_plan, plan_step
 from optremat.order import best_order
 from optremat.plan import Plan
-from optremat.schedule import Schedule, simulate, without_recomputing
+from optremat.schedule import Schedule, simulate, without_recomputing, without_unread
 from optremat.solution import FEASIBLE, OPTIMAL
 from optremat.solve import SOLVERS
 
@@ -59,6 +60,7 @@ class Partitioner(CustomPartitionerFn):
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     device: str | DeviceProfile | None = None
     share: bool = False
+    inline: bool = False
     order: str = "traced"
     plans: list[Plan] = field(default_factory=list)
 
@@ -70,13 +72,15 @@ class Partitioner(CustomPartitionerFn):
         profile = self._profile(joint_inputs)
         step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []), profile,
                           self.loss_fn)
+        if self.inline:
+            step = inductor_step(step)
         found = self._plan(step, profile)
         self.plans.append(found)
         return partition(gm, step, found.graph, found.schedule, num_fwd_outputs, dict(found.shared))
 
     def uuid(self) -> str:
         parts = [self.budget, self.solver, self.time_limit, self.deterministic, self.seed, self.cache,
-                 getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, self.share, self.order,
+                 getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, self.share, self.inline, self.order,
                  package_version()]
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -96,7 +100,7 @@ class Partitioner(CustomPartitionerFn):
         store = PlanCache(self.cache)
         key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
                         deterministic=self.deterministic, device=profile, runtime="compiled", share=self.share,
-                        order=self.order, version=package_version())
+                        inline=self.inline, order=self.order, version=package_version())
         with store.locked(key):
             hit = store.get(key, self.time_limit, Plan.from_json)
             if hit is not None:
@@ -140,11 +144,16 @@ class Partitioner(CustomPartitionerFn):
 
     def _as_compiled(self, step: JointStep, found: Plan) -> Plan:
         """`found` as the compiled graphs run it: reruns of fixed ops dropped (their one
-        computation kept instead), computations shared where the graphs can, priced."""
+        computation kept instead), reruns nothing reads dropped, computations shared where the graphs can, priced with
+        the pointwise ops Inductor inlines read through (`inductor.priced`) when `inline`."""
         planned = found.graph
         fixed = dict(zip(step.graph.names, step.fixed.tolist()))
-        schedule = without_recomputing(planned, found.schedule, np.array([fixed[n] for n in planned.names]))
-        result = simulate(planned, schedule, share=self._shares(step, planned, schedule))
+        schedule = without_unread(planned, without_recomputing(planned, found.schedule,
+                                                               np.array([fixed[n] for n in planned.names])))
+        if self.inline:
+            result = priced(step, planned, schedule)
+        else:
+            result = simulate(planned, schedule, share=self._shares(step, planned, schedule))
         dropped = len(schedule.node) < len(found.schedule.node)
         return replace(found, schedule=schedule, status=FEASIBLE if dropped and found.status == OPTIMAL else found.status,
                        predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead,
@@ -219,4 +228,4 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
     return Backend(Partitioner(budget, solver, time_limit, deterministic, seed, workers, cache, loss_fn, device,
-                               share=inner == "aot_eager", order=order), inner)
+                               share=inner == "aot_eager", inline=inner == "inductor", order=order), inner)

@@ -1,0 +1,86 @@
+"""Which ops of a planned step Inductor computes inside the kernels that read them.
+
+Inductor does not run a pointwise op where the graph puts it: it inlines the op's
+expression into each kernel that reads its result, and allocates the result only when
+it must ("realizes" it): when the graph returns it (a tensor saved for the backward, a
+gradient), when a reader is not itself a pointwise op, a view or a reduction (a matmul,
+a convolution, anything called as an extern kernel), or when several kernels read it
+and inlining it into each would be costly (`torch._inductor.graph.GraphLowering.run_node`
+and `StorageBox.should_realize_on_reuse`). An inlined op allocates nothing, and the
+tensors it reads live until the kernels reading it run: a gradient sum placed before a
+recomputation is computed after it, with both summands alive across the recomputed
+tensor's allocation. `inlined` names those ops; the solvers plan the backward with them
+read through (`schedule.read_through`), and a plan is priced with every op Inductor
+inlines read through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch._inductor.config as inductor_config
+
+from optremat.compiler.joint import JointStep
+from optremat.graph import Graph
+from optremat.schedule import Schedule, SimResult, kept_for_backward, read_through, simulate, without_recomputing
+
+HEAVY = ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
+"""Ops whose result Inductor realizes on CPU when several kernels read it (`should_realize_on_reuse`)."""
+
+
+def inductor_step(step: JointStep) -> JointStep:
+    """`step` with the backward's pointwise ops read through where Inductor inlines them
+    (`inlined`), so that the solvers plan the backward as Inductor runs it. Which forward
+    ops are inlined depends on what the plan saves; `priced` prices those."""
+    return replace(step, graph=read_through(step.graph, inlined(step, step.graph, ~step.graph.backward)))
+
+
+def priced(step: JointStep, graph: Graph, schedule: Schedule) -> SimResult:
+    """`schedule` of `graph` (the step's Graph, perhaps renumbered) priced as Inductor runs
+    it: every op not saved for the backward and inlined by Inductor read through."""
+    through = read_through(graph, inlined(step, graph, kept_for_backward(graph, schedule)))
+    return simulate(through, without_recomputing(through, schedule, graph.pinned))
+
+
+def inlined(step: JointStep, graph: Graph, realized: np.ndarray) -> np.ndarray:
+    """The nodes of `graph` (the step's Graph, perhaps renumbered) that Inductor computes
+    inside their readers' kernels: pointwise ops, neither `realized` (returned by a
+    compiled graph: saved for the backward) nor an output, whose readers all take an
+    inlined input, unless several kernels read an op that reads many tensors or runs a
+    costly function (Inductor's thresholds)."""
+    nodes = [step.nodes.get(name) for name in graph.names]
+    inline = np.zeros(graph.n, dtype=bool)
+    reads: list[int] = []
+    for v in range(graph.n):
+        reads.append(sum(reads[p] if inline[p] else 1 for p in graph.preds[v].tolist()))
+        node = nodes[v]
+        if node is None or graph.output[v] or realized[v] or not _pointwise(node):
+            continue
+        readers = graph.succs[v].tolist()
+        shared = len(readers) > 1 and (reads[v] > inductor_config.realize_reads_threshold
+                                       or str(node.target).split(".")[1] in HEAVY)
+        inline[v] = (bool(readers) and not shared and reads[v] <= _accumulated_reads()
+                     and all(_inlines_inputs(graph, nodes, r) for r in readers))
+    return inline
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _inlines_inputs(graph: Graph, nodes: list[torch.fx.Node | None], reader: int) -> bool:
+    """Whether Inductor computes the inputs of `reader` inside its kernel: a pointwise op
+    or a reduction does; a view does when its own readers do."""
+    node = nodes[reader]
+    if node is None or node.op != "call_function":
+        return False
+    if graph.alias_of[reader] >= 0 and graph.size[reader] == 0:
+        return all(_inlines_inputs(graph, nodes, r) for r in graph.succs[reader].tolist())
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.pointwise in tags or torch.Tag.reduction in tags
+
+
+def _accumulated_reads() -> int:
+    return inductor_config.realize_acc_reads_threshold or inductor_config._realize_acc_reads_threshold_default
