@@ -1,6 +1,6 @@
 """Equal measured peak: optremat's native runtime against what users pick instead.
 
-    python -m benchmarks.native [--models gpt-mini,resnet-mini,llama] [--rounds 9] [--limit 20]
+    python -m benchmarks.native [--models gpt-mini,resnet-mini,llama,hf-resnet] [--rounds 9] [--limit 20]
                                 [--cost-model roofline|profile] [--device cuda --backend inductor]
 
 For each model: the unplanned step, per-block checkpointing (HF's
@@ -19,7 +19,7 @@ to that baseline, the unplanned step of the same mode: eager for optremat and pe
 for PyTorch's budgets and compile_backend. "optremat / peer" is the median of the per-round ratios of an optremat row's
 step time to that of the peer whose peak it was given. The Llama (transformers' `LlamaConfig`, random weights,
 sdpa attention, dataclass output, no KV cache in training; on a GPU a larger
-configuration in bfloat16) computes its loss outside the model, from the logits, as users do; optremat is planned with that loss given (`loss_fn`) and, at per-block checkpointing's peak and at 70% and 90%, without it.
+configuration in bfloat16) computes its loss outside the model, from the logits, as users do; optremat is planned with that loss given (`loss_fn`) and, at per-block checkpointing's peak and at 70% and 90%, without it. hf-resnet is transformers' ResNet-18 (`ResNetConfig`, random weights, batch norms, dataclass output) on 32 images of 96x96, its loss computed outside the model too; per-block checkpointing wraps each residual block (the model has no switch for it).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ LLAMA = {"cpu": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4
          "cuda": dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=8, num_attention_heads=16,
                       num_key_value_heads=4, batch=8, seq=1024, dtype=torch.bfloat16)}
 """The Llama's shape on each kind of device (on a GPU in bfloat16, as it is trained there)."""
+THIRD_PARTY = ("llama", "hf-resnet")
+"""The models from transformers: their output is a dataclass holding the logits."""
 
 
 def llama(device: str) -> Case:
@@ -92,6 +94,27 @@ def llama(device: str) -> Case:
     return Case(model, (ids,), loss_fn, per_block)
 
 
+def hf_resnet(device: str) -> Case:
+    """transformers' ResNet-18 (`ResNetConfig`, basic blocks, batch norms, random weights,
+    dataclass output) on 32 images of 96x96, its loss computed outside the model; per-block
+    checkpointing wraps every residual block, since the model has no switch for it."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512], layer_type="basic",
+                          num_labels=100)
+    model = ResNetForImageClassification(config).train().to(device)
+    images = torch.randn(32, 3, 96, 96, device=device)
+    labels = torch.randint(0, 100, (32,), device=device)
+    blocks = [name for name, module in model.named_modules() if type(module).__name__ == "ResNetBasicLayer"]
+
+    def per_block(step: Callable[[], Any]) -> Any:
+        with checkpointed_blocks(model, blocks):
+            return step()
+
+    return Case(model, (images,), lambda out: F.cross_entropy(out.logits, labels), per_block)
+
+
 def built_in(name: str, device: str) -> Case:
     example = build(name, device=device)
     blocks = repeated_blocks(example.model)
@@ -106,12 +129,12 @@ def built_in(name: str, device: str) -> Case:
 def compiled_loss(case: Case, name: str) -> Callable[[Any], torch.Tensor]:
     """`case`'s loss as a compile backend's `loss_fn` takes it: on the outputs that get a
     gradient, which for the Llama is its logits tensor, not its dataclass output."""
-    return (lambda logits: case.loss_fn(SimpleNamespace(logits=logits))) if name == "llama" else case.loss_fn
+    return (lambda logits: case.loss_fn(SimpleNamespace(logits=logits))) if name in THIRD_PARTY else case.loss_fn
 
 
 def case_of(name: str, device: str) -> Case:
-    """The Llama or a built-in model by name."""
-    return llama(device) if name == "llama" else built_in(name, device)
+    """The Llama, the transformers ResNet or a built-in model by name."""
+    return {"llama": llama, "hf-resnet": hf_resnet}.get(name, lambda d: built_in(name, d))(device)
 
 
 def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_model: str = "roofline"
@@ -231,7 +254,7 @@ def _seconds(run: Callable[[], Any], device: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
+    parser.add_argument("--models", default="gpt-mini,resnet-mini,llama,hf-resnet")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
     parser.add_argument("--cost-model", default="roofline", choices=("roofline", "profile"),
@@ -239,6 +262,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default="aot_eager_decomp_partition",
                         help="what torch.compile runs the peers' partitions with (e.g. inductor)")
+    parser.add_argument("--out", help="the page to write (default: native.md here on a CPU, "
+                                      "native_<device>.md under $OUT or here on a GPU)")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(2)
@@ -247,6 +272,7 @@ def main() -> None:
     else:
         machine = f"{torch.cuda.get_device_name(args.device)}, {os.cpu_count()} host cores"
         out = Path(os.environ.get("OUT", Path(__file__).parent)) / f"native_{args.device.split(':')[0]}.md"
+    out = Path(args.out) if args.out else out
     command = " ".join(["python -m benchmarks.native"] + sys.argv[1:])
     head = ["# Native runtime at equal measured peak", "",
             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
