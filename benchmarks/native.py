@@ -7,19 +7,25 @@ For each model: the unplanned step, per-block checkpointing (HF's
 `gradient_checkpointing_enable()` for the Llama, non-reentrant `torch.utils.checkpoint`
 around every repeated block for the built-in models) and `torch.compile` with PyTorch's
 `activation_memory_budget` at 0.5 and 0.3 (backend aot_eager_decomp_partition unless
-`--backend` names another, a fresh backend callable per budget) are measured; optremat is planned with each peer's measured
-peak as its budget ("= peer"), and at 50/70/90% of the unplanned simulated peak; at each
-PyTorch budget's peak, `optremat.compile_backend` (inner aot_eager, or Inductor where the
-peers run Inductor) is compiled too ("compile_backend = torch f"), what a user of
-`torch.compile` picks instead of PyTorch's budget. Every
+`--backend` names another, a fresh backend callable per budget) are measured; optremat is
+planned with each peer's measured peak as its budget ("= peer"), and at 50/70/90% of the
+unplanned simulated peak; at each PyTorch budget's peak, `optremat.compile_backend` (inner
+aot_eager, or Inductor where the peers run Inductor) is compiled too ("compile_backend =
+torch f"), what a user of `torch.compile` picks instead of PyTorch's budget. Every
 configuration's step time is measured in the same process over `rounds` rounds after one
 uncounted warm-up round; in each round the configurations run in a shuffled order, each
 right after a step of its baseline, and the overhead is the median of the per-round ratios
-to that baseline, the unplanned step of the same mode: eager for optremat and per-block checkpointing, the compiled step at budget 1
-for PyTorch's budgets and compile_backend. "optremat / peer" is the median of the per-round ratios of an optremat row's
-step time to that of the peer whose peak it was given. The Llama (transformers' `LlamaConfig`, random weights,
-sdpa attention, dataclass output, no KV cache in training; on a GPU a larger
-configuration in bfloat16) computes its loss outside the model, from the logits, as users do; optremat is planned with that loss given (`loss_fn`) and, at per-block checkpointing's peak and at 70% and 90%, without it. hf-resnet is transformers' ResNet-18 (`ResNetConfig`, random weights, batch norms, dataclass output) on 32 images of 96x96, its loss computed outside the model too; per-block checkpointing wraps each residual block (the model has no switch for it).
+to that baseline, the unplanned step of the same mode: eager for optremat and per-block
+checkpointing, the compiled step at budget 1 for PyTorch's budgets and compile_backend.
+"optremat / peer" is the median of the per-round ratios of an optremat row's step time to
+that of the peer whose peak it was given. The Llama (transformers' `LlamaConfig`, random
+weights, sdpa attention, dataclass output, no KV cache in training; on a GPU a larger
+configuration in bfloat16) computes its loss outside the model, from the logits, as users
+do; optremat is planned with that loss given (`loss_fn`) and, at per-block checkpointing's
+peak and at 70% and 90%, without it. hf-resnet is transformers' ResNet-18 (`ResNetConfig`,
+random weights, batch norms, dataclass output) on 32 images of 96x96, its loss computed
+outside the model too; per-block checkpointing wraps each residual block (the model has no
+switch for it).
 """
 
 from __future__ import annotations

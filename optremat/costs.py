@@ -105,6 +105,16 @@ def roofline_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
     return max(flops / profile.flops_per_second, moved / profile.bytes_per_second) + profile.launch_seconds
 
 
+def fused_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
+    """Seconds a pointwise op adds where a compiler computes it inside the kernel that
+    reads its result: its arithmetic (one operation per output element at least); its
+    inputs are read instead of its output."""
+    args, kwargs = _fake_arguments(node)
+    out = node.meta.get("val")
+    elements = out.numel() if isinstance(out, torch.Tensor) else 0
+    return max(op_flops(node.target, args, kwargs, out), elements) / profile.flops_per_second
+
+
 def _fake_arguments(node: torch.fx.Node) -> tuple[Any, Any]:
     value = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
     return torch.fx.node.map_aggregate(node.args, value), torch.fx.node.map_aggregate(node.kwargs, value)

@@ -73,7 +73,7 @@ class Partitioner(CustomPartitionerFn):
         step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []), profile,
                           self.loss_fn)
         if self.inline:
-            step = inductor_step(step)
+            step = inductor_step(step, profile)
         found = self._plan(step, profile)
         self.plans.append(found)
         return partition(gm, step, found.graph, found.schedule, num_fwd_outputs, dict(found.shared))
@@ -144,8 +144,8 @@ class Partitioner(CustomPartitionerFn):
 
     def _as_compiled(self, step: JointStep, found: Plan) -> Plan:
         """`found` as the compiled graphs run it: reruns of fixed ops dropped (their one
-        computation kept instead), reruns nothing reads dropped, computations shared where the graphs can, priced with
-        the pointwise ops Inductor inlines read through (`inductor.priced`) when `inline`."""
+        computation kept instead), reruns nothing reads dropped, computations shared where
+        the graphs can, priced (with `inline`, as Inductor runs it: `inductor.priced`)."""
         planned = found.graph
         fixed = dict(zip(step.graph.names, step.fixed.tolist()))
         schedule = without_unread(planned, without_recomputing(planned, found.schedule,
@@ -185,12 +185,16 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         if self.inner == "inductor":
+            import torch._functorch.config as functorch_config
             from torch._inductor.compile_fx import compile_fx
 
             # with Inductor's pattern passes on, the graphs it generates no longer hold what the
-            # plan prices (a Llama step planned at 118.8 MiB measured 136.3 MiB; 118.8 without)
-            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner,
-                                                                  "pattern_matcher": False})
+            # plan prices (a Llama step planned at 118.8 MiB measured 136.3 MiB; 118.8 without);
+            # a graph from Inductor's own caches would skip the partitioner, leaving no plan to
+            # inspect: the plan cache (`cache`) makes the second compile cheap instead
+            with functorch_config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, config_patches={
+                    "custom_partitioner_fn": self.partitioner, "pattern_matcher": False, "fx_graph_cache": False})
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 

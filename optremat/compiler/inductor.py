@@ -23,6 +23,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from optremat.compiler.joint import JointStep
+from optremat.costs import DeviceProfile, fused_cost
 from optremat.graph import Graph
 from optremat.schedule import Schedule, SimResult, kept_for_backward, read_through, simulate, without_recomputing
 
@@ -30,11 +31,18 @@ HEAVY = ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
 """Ops whose result Inductor realizes on CPU when several kernels read it (`should_realize_on_reuse`)."""
 
 
-def inductor_step(step: JointStep) -> JointStep:
+def inductor_step(step: JointStep, profile: DeviceProfile) -> JointStep:
     """`step` with the backward's pointwise ops read through where Inductor inlines them
     (`inlined`), so that the solvers plan the backward as Inductor runs it. Which forward
-    ops are inlined depends on what the plan saves; `priced` prices those."""
-    return replace(step, graph=read_through(step.graph, inlined(step, step.graph, ~step.graph.backward)))
+    ops are inlined depends on what the plan saves (`priced` prices those); a forward
+    pointwise op costs its arithmetic (`costs.fused_cost`), since Inductor fuses it into
+    the kernel that reads it, in the forward and where the backward recomputes it."""
+    graph = read_through(step.graph, inlined(step, step.graph, ~step.graph.backward))
+    nodes = [step.nodes.get(name) for name in graph.names]
+    cost = np.array([fused_cost(node, profile) if node is not None and _pointwise(node) and not graph.backward[v]
+                     else graph.cost[v] for v, node in enumerate(nodes)])
+    cost.setflags(write=False)
+    return replace(step, graph=replace(graph, cost=cost))
 
 
 def priced(step: JointStep, graph: Graph, schedule: Schedule) -> SimResult:
