@@ -173,7 +173,7 @@ def without_unread(graph: Graph, schedule: Schedule) -> Schedule:
     computations = {(i, s) for i, s, _ in schedule.events if s != i}
     while True:
         copies = [[i] for i in range(graph.n)]
-        for i, s in sorted(computations, key=lambda c: c[1]):
+        for i, s in computations:
             copies[i].append(s)
         for c in copies:
             c.sort()
