@@ -2,18 +2,21 @@
 
 `plan_step` solves a step graph on its coarsened form and expands the schedule back to
 every op, solving again with another budget when the expanded plan peaks over it or
-leaves room unused; `least_plan` is the least-peak plan the heuristics find.
+leaves room unused; `least_plan` is the least-peak plan the heuristics find; `kept_plan`
+is the plan of a keep set another planner chose.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from optremat.budget import InfeasibleBudget
 from optremat.coarsen import Coarsened, coarsen
 from optremat.graph import Graph
 from optremat.plan import Plan
-from optremat.schedule import Schedule, SimResult, from_computations, keep_all, simulate
+from optremat.schedule import Schedule, SimResult, from_computations, from_kept, keep_all, simulate
 from optremat.solution import HEURISTIC, Progress, Solution
 from optremat.solve import best_heuristic, solve
 
@@ -97,6 +100,18 @@ def least_plan(graph: Graph, *, share: bool = True) -> Plan:
     fine = _expanded(coarse, solution)
     result = simulate(coarse.fine, fine, share=share)
     return _step_plan(graph, coarse.fine, solution, fine, result, result.peak_bytes, started)
+
+
+def kept_plan(graph: Graph, kept: np.ndarray, source: str, *, share: bool = True) -> Plan:
+    """The plan that keeps the forward tensors in `kept` for the backward and recomputes
+    every other one the backward reads where it first needs it (`from_kept` with reuse),
+    named for the planner that chose `kept`."""
+    started = time.perf_counter()
+    schedule = from_kept(graph, kept, reuse=True)
+    result = simulate(graph, schedule, share=share)
+    solution = Solution(schedule=schedule, solver=source, status=HEURISTIC, cost=result.cost, lower_bound=None,
+                        seconds=0.0)
+    return _step_plan(graph, graph, solution, schedule, result, result.peak_bytes, started)
 
 
 def _expanded(coarse: Coarsened, solution: Solution) -> Schedule:

@@ -113,6 +113,31 @@ def min_memory_order(graph: Graph, late: np.ndarray | None = None) -> np.ndarray
     return np.array(order, dtype=np.int64)
 
 
+def sunk_views(graph: Graph) -> Graph:
+    """`graph` with every backward view (an alias that neither allocates nor writes: a
+    view, a detach) moved to just before its first reader. A traced joint graph places
+    some early (autograd's detach of an output it saves comes right after the loss),
+    where a plan that recomputes the viewed tensor would have to recompute it; autograd's
+    engine, and PyTorch's partitioner, run a view when it is read."""
+    movable = graph.backward & (graph.alias_of >= 0) & (graph.size == 0) & ~graph.output
+    movable &= np.array([not op.split(".")[0].endswith("_") for op in graph.ops], dtype=bool)
+    order: list[int] = []
+    placed = np.zeros(graph.n, dtype=bool)
+
+    def place(v: int) -> None:
+        for p in graph.preds[v].tolist():
+            if movable[p] and not placed[p]:
+                place(p)
+        placed[v] = True
+        order.append(v)
+
+    for v in np.nonzero(~movable)[0].tolist():
+        place(v)
+    for v in np.nonzero(~placed)[0].tolist():
+        place(v)
+    return reorder(graph, np.array(order)) if order != list(range(graph.n)) else graph
+
+
 def best_order(graph: Graph, late: np.ndarray | None = None) -> tuple[Graph, np.ndarray]:
     """The graph in whichever order, traced or `min_memory_order`, has the lower
     unplanned peak, with the order used (node k of the result is node order[k])."""

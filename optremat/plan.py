@@ -16,7 +16,9 @@ from optremat.regions import Region
 from optremat.schedule import Schedule
 from optremat.sharding import DDP, FSDP, Parallel
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+READS = (3, 4)
+"""The plan format versions this optremat reads (4 added `compared`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,6 +34,9 @@ class Plan:
     proven lower bound on the overhead, in the planning model (the coarsened graph, each
     op computed at most a few times), or None when nothing is proven. `loss` says how the
     loss computed after the model was priced. A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
+    `compared` lists the other planners' plans that competed for this one, priced the same
+    way: (name, predicted peak bytes, predicted overhead) each (a compiled plan's rivals
+    are PyTorch's own partitions of the graph).
     """
 
     graph: Graph
@@ -53,6 +58,7 @@ class Plan:
     mutated_buffers: tuple[str, ...] = ()
     loss: str = ""
     parallel: Parallel | None = None
+    compared: tuple[tuple[str, int, float], ...] = ()
     cached: bool = field(default=False, compare=False)
 
     @property
@@ -103,10 +109,22 @@ class Plan:
             f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
             f"{counts['free']} freed early; {how}",
             f"loss: {self.loss}",
+            *([self._rivals()] if self.compared else []),
             *([f"per rank: {self.parallel.describe()}"] if self.parallel else []),
             f"memory layout: an arena of {format_bytes(arena.arena_bytes)} (greedy by size, {arena.fragmentation:+.1%} "
             f"over the {format_bytes(arena.live_bytes)} live at most, allocations aligned to {ALIGNMENT} bytes)",
         ])
+
+    def _rivals(self) -> str:
+        """The cheapest of the plans `compared` that fits the budget, or the least-peak one."""
+        fitting = [c for c in self.compared if c[1] <= self.budget_bytes]
+        if fitting:
+            name, peak, overhead = min(fitting, key=lambda c: c[2])
+            return (f"compared with {len(self.compared)} other plans priced the same way; the cheapest within the "
+                    f"budget: {name}, {format_bytes(peak)}, {overhead:+.2%}")
+        name, peak, _ = min(self.compared, key=lambda c: c[1])
+        return (f"compared with {len(self.compared)} other plans priced the same way; none fits the budget "
+                f"(least peak: {name}, {format_bytes(peak)})")
 
     def explain(self, top: int = 15) -> str:
         """Why each of the `top` largest forward tensors is kept, recomputed or shared."""
@@ -150,6 +168,7 @@ class Plan:
             "training": self.training,
             "runtime": self.runtime,
             "shared": [list(pair) for pair in self.shared],
+            "compared": [list(c) for c in self.compared],
             "parallel": None if self.parallel is None else {"kind": type(self.parallel).__name__,
                                                            **asdict(self.parallel)},
         }
@@ -158,16 +177,16 @@ class Plan:
     def from_json(cls, data: dict[str, Any]) -> "Plan":
         if data.get("format") != "optremat.plan":
             raise ValueError("not an optremat plan (missing format tag)")
-        if data.get("version") != FORMAT_VERSION:
+        if data.get("version") not in READS:
             raise ValueError(f"plan format version {data.get('version')} is not supported "
-                             f"(this optremat reads {FORMAT_VERSION}); plan again")
+                             f"(this optremat reads {', '.join(map(str, READS))}); plan again")
         fields = {k: v for k, v in data.items() if k not in ("format", "version", "graph", "schedule", "regions",
-                                                             "shared", "mutated_buffers", "parallel")}
+                                                             "shared", "mutated_buffers", "parallel", "compared")}
         return cls(graph=Graph.from_json(data["graph"]), schedule=Schedule.from_json(data["schedule"]),
                    regions=tuple(Region.from_json(r) for r in data["regions"]),
                    shared=tuple((int(k), int(p)) for k, p in data["shared"]),
                    mutated_buffers=tuple(data["mutated_buffers"]), parallel=_parallel_of(data.get("parallel")),
-                   **fields)
+                   compared=tuple((str(n), int(p), float(o)) for n, p, o in data.get("compared", [])), **fields)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as versioned JSON (atomically: a reader never sees half a plan)."""

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import optremat
 from optremat.budget import InfeasibleBudget
@@ -288,6 +289,31 @@ def test_inductor_runs_a_plan_within_its_budget_and_predicted_peak(fraction: flo
     predicted = backend.plans[0].predicted_peak_bytes
     assert predicted <= budget
     assert peak_of(model, compiled, inputs, loss_fn) <= predicted * 1.02
+
+
+def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak() -> None:
+    """With solver "auto", PyTorch's own min-cut partitions of the graph compete, priced as
+    optremat's partitioner runs them: given the measured peak of PyTorch's partition at
+    activation_memory_budget 0.5, the plan is predicted no dearer than any of them that
+    fits, and runs within its prediction with eager's gradients."""
+    example = gpt()
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+    expected = step(model, inputs, loss_fn)
+    min_cut = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                           partition_fn=min_cut_rematerialization_partition)
+    with functorch_config.patch(activation_memory_budget=0.5):
+        torch_peak = peak_of(model, torch.compile(model, backend=min_cut, dynamic=False), inputs, loss_fn)
+    torch._dynamo.reset()
+    backend = optremat.compile_backend(torch_peak, inner="aot_eager", time_limit=5, loss_fn=loss_fn)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    assert_same_step(expected, step(compiled, inputs, loss_fn))
+    plan = backend.plans[0]
+    fitting = [overhead for _, peak, overhead in plan.compared if peak <= torch_peak]
+    assert len(plan.compared) >= 2 and fitting
+    assert plan.predicted_overhead <= min(fitting) + 1e-12
+    assert peak_of(model, compiled, inputs, loss_fn) <= plan.predicted_peak_bytes * 1.02 <= torch_peak * 1.02
+    assert "compared with" in plan.summary()
+    assert optremat.Plan.from_json(plan.to_json()).compared == plan.compared
 
 
 def test_later_steps_do_not_compile_again() -> None:

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 import optremat
 from optremat import keep_all, simulate
 from optremat.models import build
-from optremat.order import best_order, min_memory_order, reorder
+from optremat.order import best_order, min_memory_order, reorder, sunk_views
+from optremat.schedule import from_kept
 from tests.dags import graphs
 
 
@@ -48,3 +49,44 @@ def test_reordering_lowers_a_built_in_models_unplanned_peak():
     best, used = best_order(g)
     assert simulate(best, keep_all(best)).peak_bytes < 0.9 * simulate(g, keep_all(g)).peak_bytes
     assert not np.array_equal(used, np.arange(g.n))
+
+
+def joint_with_an_early_detach() -> optremat.Graph:
+    """x -> a (forward, 64 bytes) -> out -> loss; then the backward: a detach of `a` right
+    after the loss (where AOTAutograd's joint graph puts the detach of a saved output), a
+    32-byte gradient g1 read only by g2, and g_a, which reads g2 and the detach."""
+    names = ["x", "a", "out", "loss", "detach", "g1", "g2", "g_a"]
+    edges = [(0, 1), (1, 2), (2, 3), (1, 4), (3, 5), (5, 6), (4, 7), (6, 7)]
+    return optremat.Graph.build(cost=[0.0, 4.0, 1.0, 1.0, 0.0, 1.0, 1.0, 2.0], size=[8, 64, 8, 1, 0, 32, 8, 8],
+                                edges=edges, names=names, kind=["input"] + ["op"] * 7,
+                                ops=["input", "mm", "sum", "loss", "detach", "ones", "mul", "mm"],
+                                alias_of=[-1, -1, -1, -1, 1, -1, -1, -1], backward=[False] * 3 + [True] * 5,
+                                output=[False] * 7 + [True])
+
+
+def test_a_backward_view_runs_when_read_so_a_recomputation_waits_for_it():
+    g = joint_with_an_early_detach()
+    sunk = sunk_views(g)
+    assert list(sunk.names) == ["x", "a", "out", "loss", "g1", "g2", "detach", "g_a"]
+    kept = np.ones(g.n, dtype=bool)
+    kept[1] = False
+    early = simulate(g, from_kept(g, kept, reuse=True))
+    late = simulate(sunk, from_kept(sunk, kept[[g.names.index(name) for name in sunk.names]], reuse=True))
+    # recomputed for the early detach, a (64) lives through g2's allocation (8) beside x (8) and g1
+    # (32); sunk, it is recomputed after g1 has died, beside x, g2 and g_a (8 each)
+    assert (early.peak_bytes, late.peak_bytes) == (8 + 64 + 32 + 8, 8 + 8 + 64 + 8)
+    assert sunk_views(sunk) is sunk
+
+
+@settings(max_examples=100)
+@given(graphs())
+def test_sinking_views_is_the_same_step_and_never_raises_the_peak(g):
+    sunk = sunk_views(g)
+    index = {name: k for k, name in enumerate(sunk.names)}
+    assert sorted(sunk.names) == sorted(g.names)
+    assert {(sunk.names[a], sunk.names[b]) for a, b in sunk.edges.tolist()} == {
+        (g.names[a], g.names[b]) for a, b in g.edges.tolist()}
+    assert simulate(sunk, keep_all(sunk)).peak_bytes <= simulate(g, keep_all(g)).peak_bytes
+    for v in range(g.n):
+        if index[g.names[v]] != v:
+            assert g.backward[v] and g.alias_of[v] >= 0 and g.size[v] == 0

@@ -18,7 +18,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+import torch._functorch.config as functorch_config
 import torch.fx as fx
+from torch._functorch.compile_utils import fx_graph_cse
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from optremat.budget import InfeasibleBudget, check_budget, resolve_budget
@@ -26,14 +28,15 @@ from optremat.cache import PlanCache
 from optremat.compiler.inductor import inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.partition import partition, writable
+from optremat.compiler.torch_partitions import RIVALS, Rivals, torch_keep_sets
 from optremat.costs import DeviceProfile, device_profile, profile_for
 from optremat.extract import depending_on
 from optremat.fingerprint import package_version
 from optremat.graph import Graph
-from optremat.op_plan import ATTEMPTS, least_plan, plan_step
-from optremat.order import best_order
+from optremat.op_plan import ATTEMPTS, kept_plan, least_plan, plan_step
+from optremat.order import best_order, sunk_views
 from optremat.plan import Plan
-from optremat.schedule import Schedule, simulate, without_recomputing, without_unread
+from optremat.schedule import Schedule, kept_for_backward, simulate, without_recomputing, without_unread
 from optremat.solution import FEASIBLE, OPTIMAL
 from optremat.solve import SOLVERS
 
@@ -68,20 +71,23 @@ class Partitioner(CustomPartitionerFn):
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
         gm.graph.eliminate_dead_code()
+        if functorch_config.cse:
+            # as PyTorch's partitioners do: identical ops (a Llama's attention mask, built once per layer) run once
+            gm.graph = fx_graph_cse(gm.graph)
         gm.recompile()
         profile = self._profile(joint_inputs)
         step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []), profile,
                           self.loss_fn)
         if self.inline:
             step = inductor_step(step, profile)
-        found = self._plan(step, profile)
+        found = self._plan(step, profile, lambda graph: torch_keep_sets(gm, joint_inputs, kwargs, graph))
         self.plans.append(found)
         return partition(gm, step, found.graph, found.schedule, num_fwd_outputs, dict(found.shared))
 
     def uuid(self) -> str:
         parts = [self.budget, self.solver, self.time_limit, self.deterministic, self.seed, self.cache,
                  getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, self.share, self.inline, self.order,
-                 package_version()]
+                 RIVALS, package_version()]
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def _profile(self, joint_inputs: Sequence[object]) -> DeviceProfile:
@@ -90,32 +96,54 @@ class Partitioner(CustomPartitionerFn):
         devices = [t.device for t in joint_inputs if isinstance(t, torch.Tensor)]
         return device_profile(profile_for(devices[0]) if devices else "cpu")
 
-    def _plan(self, step: JointStep, profile: DeviceProfile) -> Plan:
+    def _plan(self, step: JointStep, profile: DeviceProfile, rivals: Rivals) -> Plan:
         """The plan for `step`: from the plan cache when it holds one for this graph and
         budget, else solved."""
         graph = step.graph
         budget_bytes = resolve_budget(graph, self.budget)
         if self.cache is None:
-            return self._solve(step, budget_bytes)
+            return self._solve(step, budget_bytes, rivals)
         store = PlanCache(self.cache)
         key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
                         deterministic=self.deterministic, device=profile, runtime="compiled", share=self.share,
-                        inline=self.inline, order=self.order, version=package_version())
+                        inline=self.inline, order=self.order, rivals=RIVALS, version=package_version())
         with store.locked(key):
             hit = store.get(key, self.time_limit, Plan.from_json)
             if hit is not None:
                 return replace(hit, cached=True)
-            found = self._solve(step, budget_bytes)
+            found = self._solve(step, budget_bytes, rivals)
             store.put(key, found.to_json(), self.time_limit)
             return found
 
-    def _solve(self, step: JointStep, budget_bytes: int) -> Plan:
-        """Solve and price the plan as compiled (`_as_compiled`); when that peaks over the
-        budget, solve again with the budget reduced by the excess. When no solve fits,
-        the heuristics' least-peak plan is the last try, and its peak the smallest budget
-        named: compiling again at it always finds that plan."""
+    def _solve(self, step: JointStep, budget_bytes: int, rivals: Rivals) -> Plan:
+        """The solver's plan priced as compiled (`_solved`). With solver "auto", the
+        cheapest plan that fits wins among it and PyTorch's own partitions of the graph
+        (`rivals`, each priced as compiled), with recomputed tensors kept again while it
+        fits (`_filled`). When none fits, the least-peak plan of the heuristics' and the
+        rivals' is the last try, and its peak the smallest budget named: compiling again
+        at it always finds that plan."""
         started = time.perf_counter()
         graph = self._ordered(step)
+        solved = self._solved(step, graph, budget_bytes, started)
+        others = [] if self.solver != "auto" else [
+            self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
+            for fraction, kept in rivals(graph).items()]
+        fitting = [c for c in [solved, *others] if c is not None and c.predicted_peak_bytes <= budget_bytes]
+        if fitting:
+            best = min(fitting, key=lambda c: c.predicted_overhead)
+            if self.solver == "auto":
+                best = self._filled(step, best, budget_bytes)
+        else:
+            best = min([self._as_compiled(step, least_plan(graph, share=self.share)), *others],
+                       key=lambda c: c.predicted_peak_bytes)
+            if best.predicted_peak_bytes > budget_bytes:
+                raise InfeasibleBudget(budget_bytes, best.predicted_peak_bytes, f"{self.solver} in a compiled step")
+        return replace(best, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started,
+                       compared=tuple((c.solver, c.predicted_peak_bytes, c.predicted_overhead) for c in others))
+
+    def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float) -> Plan | None:
+        """optremat's own plan, priced as compiled; when that peaks over the budget, solved
+        again with the budget reduced by the excess. None when no solve fits."""
         target = budget_bytes
         for _ in range(ATTEMPTS):
             try:
@@ -123,20 +151,40 @@ class Partitioner(CustomPartitionerFn):
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,
                                   started=started, share=self.share)
             except InfeasibleBudget:
-                break
+                return None
             compiled = self._as_compiled(step, found)
             if compiled.predicted_peak_bytes <= budget_bytes:
-                return replace(compiled, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started)
+                return compiled
             target -= compiled.predicted_peak_bytes - budget_bytes
-        least = self._as_compiled(step, least_plan(graph, share=self.share))
-        if least.predicted_peak_bytes <= budget_bytes:
-            return replace(least, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started)
-        raise InfeasibleBudget(budget_bytes, least.predicted_peak_bytes, f"{self.solver} in a compiled step")
+        return None
+
+    def _filled(self, step: JointStep, plan: Plan, budget_bytes: int) -> Plan:
+        """`plan` with the forward tensors it recomputes that cost the most per byte kept for
+        the backward instead, as many as still fit (a binary search over that order), when
+        that is cheaper: a partition chosen for another budget leaves room unused."""
+        graph, schedule = plan.graph, plan.schedule
+        recomputed = np.unique(schedule.node[schedule.stage != schedule.node])
+        order = recomputed[np.argsort(-graph.cost[recomputed] / np.maximum(graph.size[recomputed], 1), kind="stable")]
+        base = kept_for_backward(graph, schedule)
+        best, lo, hi = plan, 1, len(order)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            kept = base.copy()
+            kept[order[:mid]] = True
+            trial = self._as_compiled(step, kept_plan(graph, kept, f"{plan.solver}, saving more", share=self.share))
+            if trial.predicted_peak_bytes > budget_bytes:
+                hi = mid - 1
+                continue
+            lo = mid + 1
+            if trial.predicted_overhead < best.predicted_overhead:
+                best = trial
+        return best
 
     def _ordered(self, step: JointStep) -> Graph:
-        """The step's Graph in the order its plan runs: traced, or with order="best" the one
-        `best_order` finds, the loss and all that depends on it after every other op."""
-        graph = step.graph
+        """The step's Graph in the order its plan runs: traced with the backward's views
+        run when read (`sunk_views`), or with order="best" the one `best_order` finds
+        from there, the loss and all that depends on it after every other op."""
+        graph = sunk_views(step.graph)
         if self.order == "traced":
             return graph
         late = depending_on(graph, [graph.names.index(LOSS)]) if LOSS in graph.names else None
@@ -185,7 +233,6 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         if self.inner == "inductor":
-            import torch._functorch.config as functorch_config
             from torch._inductor.compile_fx import compile_fx
 
             # with Inductor's pattern passes on, the graphs it generates no longer hold what the

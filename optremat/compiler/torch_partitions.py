@@ -1,0 +1,59 @@
+"""PyTorch's own partitions of a joint graph, as keep sets that compete with optremat's.
+
+PyTorch's min-cut partitioner with `activation_memory_budget` is what a user of
+`torch.compile` runs instead of optremat. Its partition of the very joint graph optremat
+is planning, at a range of budget fractions, becomes a candidate plan: the forward
+tensors its forward graph returns for the backward are kept, every other forward tensor
+the backward needs is recomputed where the backward first needs it (as its backward
+graph, reordered to follow the autograd engine, recomputes them). optremat prices each
+candidate as its own partitioner runs it, so the plan it picks is never one PyTorch's
+knob beats in that pricing.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch._functorch.config as functorch_config
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from optremat.graph import Graph
+
+RIVALS = "pytorch-min-cut"
+"""Names the rival partitions in plan cache keys: plans made without them are not reused."""
+
+FRACTIONS = tuple(round(0.1 * k, 1) for k in range(11))
+"""The `activation_memory_budget` fractions whose partitions compete (0 to 1 by 0.1)."""
+
+
+Rivals = Callable[[Graph], dict[float, np.ndarray]]
+"""The keep sets of rival partitions, by their fraction, over a Graph's nodes by name."""
+
+
+def torch_keep_sets(joint: fx.GraphModule, joint_inputs: Sequence[object], kwargs: dict[str, Any], graph: Graph,
+                    fractions: Sequence[float] = FRACTIONS) -> dict[float, np.ndarray]:
+    """For each fraction, the nodes of `graph` (named as in `joint`) that PyTorch's min-cut
+    partition at that `activation_memory_budget` does not recompute in its backward graph
+    (a view of a recomputed tensor is recomputed with it, whatever name the backward
+    graph gives it); fractions whose keep set repeats a larger fraction's are left out. `joint` is not modified."""
+    index = {name: i for i, name in enumerate(graph.names)}
+    found: dict[float, np.ndarray] = {}
+    seen: set[bytes] = set()
+    for fraction in sorted(fractions, reverse=True):
+        copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+        with functorch_config.patch(activation_memory_budget=fraction), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, backward = min_cut_rematerialization_partition(copied, joint_inputs, **kwargs)
+        rerun = {node.name for node in backward.graph.nodes if node.op == "call_function"}
+        kept = np.array([graph.backward[i] or name not in rerun for i, name in enumerate(graph.names)])
+        for i in np.nonzero((graph.alias_of >= 0) & (graph.size == 0))[0].tolist():
+            kept[i] &= kept[graph.alias_of[i]]
+        if kept.tobytes() not in seen:
+            seen.add(kept.tobytes())
+            found[fraction] = kept
+    return found
+
