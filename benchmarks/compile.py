@@ -3,7 +3,6 @@
     python -m benchmarks.compile [--models gpt-mini,resnet-mini,llama] [--inner aot_eager,inductor]
                                  [--rounds 9] [--limit 20]
     python -m benchmarks.compile --knapsack    (the knapsack drop-in against PyTorch's dp solver)
-    python -m benchmarks.compile --price-torch (PyTorch's partitions priced by optremat's simulator)
 
 For each model and inner compiler: the compiled step with PyTorch's default partition
 (`activation_memory_budget` 1) is measured, then PyTorch's `activation_memory_budget` at
@@ -15,7 +14,11 @@ eager (float32, allclose 1e-5). Step times are measured in one process over `rou
 rounds after one uncounted warm-up round; in each round the configurations run in a
 shuffled order, each right after a step of the unplanned compiled step, and the overhead
 is the median of the per-round ratios. "optremat / torch" is the median of the per-round
-ratios of the optremat row's step time to the PyTorch row whose peak it was given. The
+ratios of the optremat row's step time to the PyTorch row whose peak it was given.
+optremat's planner prices PyTorch's own min-cut partitions of the same joint graph
+(`activation_memory_budget` 0 to 1 by 0.1) as it runs them and lets them compete; "PyTorch's
+cheapest within budget, priced" is the cheapest of those that fits the row's budget, with
+its fraction and predicted overhead, to set beside optremat's predicted overhead. The
 Llama is transformers' `LlamaConfig` model (random weights, sdpa attention, tied
 embeddings, dataclass output) with its loss computed outside the model from the logits.
 """
@@ -41,8 +44,8 @@ from optremat.graph import format_bytes
 from optremat.runtime.measure import measure_peak
 
 HEADER = ["model", "inner", "method", "budget", "predicted peak", "measured peak", "measured / budget",
-          "grads = eager", "predicted overhead", "measured overhead (median)", "optremat / torch (median)",
-          "plan s", "compile s"]
+          "grads = eager", "predicted overhead", "PyTorch's cheapest within budget, priced",
+          "measured overhead (median)", "optremat / torch (median)", "plan s", "compile s"]
 TORCH_BUDGETS = (0.5, 0.3, 0.1)
 FRACTIONS = (0.9, 0.7, 0.5)
 
@@ -102,10 +105,22 @@ def rows(name: str, inner: str, rounds: int, limit: float) -> list[list[str]]:
             "budget": f"{label}: {format_bytes(budget)}", "predicted peak": format_bytes(plan.predicted_peak_bytes),
             "measured peak": format_bytes(peak), "measured / budget": f"{peak / budget:.3f}",
             "grads = eager": "yes" if same else "NO", "predicted overhead": f"{plan.predicted_overhead:+.1%}",
+            "PyTorch's cheapest within budget, priced": _cheapest_rival(backend.plans),
             "plan s": f"{sum(p.solve_seconds for p in backend.plans):.1f}", "compile s": f"{seconds:.0f}"})
         print(name, inner, label, format_bytes(peak), flush=True)
     _time(methods, rounds)
     return [[name, inner] + [fields.get(column, "-") for column in HEADER[2:]] for _, fields in methods.values()]
+
+
+def _cheapest_rival(plans: list[optremat.Plan]) -> str:
+    """The cheapest of PyTorch's partitions that competed for the first graph's plan and
+    fit its budget, as optremat priced it ("-" when none fit)."""
+    plan = plans[0]
+    fitting = [(overhead, name) for name, peak, overhead in plan.compared if peak <= plan.budget_bytes]
+    if not fitting:
+        return "-"
+    overhead, name = min(fitting)
+    return f"{name.removeprefix('PyTorch min-cut at ')}: {overhead:+.1%}"
 
 
 def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], rounds: int) -> None:
@@ -169,48 +184,6 @@ def knapsack_rows(name: str) -> list[list[str]]:
     return found
 
 
-PRICED_HEADER = ["model", "activation_memory_budget", "forward ops recomputed", "optremat's predicted peak",
-                 "optremat's predicted overhead"]
-
-
-def priced_rows(name: str) -> list[list[str]]:
-    """PyTorch's own partitions on aot_eager (min-cut at each budget), priced by optremat's
-    simulator: each forward op the backward graph runs again is recomputed once, where the
-    backward first needs it, and every other forward tensor is kept."""
-    import numpy as np
-    import torch._functorch.config as functorch_config
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    from optremat.compiler.joint import read_joint
-    from optremat.costs import device_profile
-    from optremat.schedule import from_kept, simulate
-
-    case = case_of(name, "cpu")
-    found: list[list[str]] = []
-
-    def priced(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:
-        step = read_joint(joint, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
-                          device_profile("cpu"))
-        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        rerun = {n.name for n in backward.graph.nodes if n.op == "call_function"}
-        graph = step.graph
-        recomputed = np.array([not graph.backward[i] and not graph.pinned[i] and graph.names[i] in rerun
-                               for i in range(graph.n)])
-        result = simulate(graph, from_kept(graph, ~recomputed, reuse=True))
-        found.append([name, f"{functorch_config.activation_memory_budget:g}", str(int(recomputed.sum())),
-                      format_bytes(result.peak_bytes), f"{result.overhead:+.1%}"])
-        return forward, backward
-
-    for fraction in TORCH_BUDGETS:
-        torch._dynamo.reset()
-        with functorch_config.patch(activation_memory_budget=fraction):
-            backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=priced)
-            case.loss_fn(torch.compile(case.model, backend=backend, dynamic=False)(*case.inputs)).backward()
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt-mini,resnet-mini,llama")
@@ -220,14 +193,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).with_name("compile.md")))
     parser.add_argument("--knapsack", action="store_true",
                         help="compare the knapsack drop-in with PyTorch's default solver instead (prints a table)")
-    parser.add_argument("--price-torch", action="store_true",
-                        help="price PyTorch's own partitions with optremat's simulator instead (prints a table)")
     args = parser.parse_args()
     if args.knapsack:
         print(table(KNAPSACK_HEADER, [row for name in args.models.split(",") for row in knapsack_rows(name)]))
-        return
-    if args.price_torch:
-        print(table(PRICED_HEADER, [row for name in args.models.split(",") for row in priced_rows(name)]))
         return
     torch.set_num_threads(2)
     # every configuration keeps its compiled graphs for the timing rounds; never fall back to eager

@@ -39,8 +39,8 @@ def torch_keep_sets(joint: fx.GraphModule, joint_inputs: Sequence[object], kwarg
     """For each fraction, the nodes of `graph` (named as in `joint`) that PyTorch's min-cut
     partition at that `activation_memory_budget` does not recompute in its backward graph
     (a view of a recomputed tensor is recomputed with it, whatever name the backward
-    graph gives it); fractions whose keep set repeats a larger fraction's are left out. `joint` is not modified."""
-    index = {name: i for i, name in enumerate(graph.names)}
+    graph gives it); fractions whose keep set repeats a larger fraction's are left out.
+    `joint` is not modified."""
     found: dict[float, np.ndarray] = {}
     seen: set[bytes] = set()
     for fraction in sorted(fractions, reverse=True):
