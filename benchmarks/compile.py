@@ -1,7 +1,7 @@
 """optremat as torch.compile's partitioner, against PyTorch's own memory budget.
 
     python -m benchmarks.compile [--models gpt-mini,resnet-mini,llama] [--inner aot_eager,inductor]
-                                 [--rounds 9] [--limit 20]
+                                 [--rounds 9] [--limit 20] [--cost-model roofline|profile]
     python -m benchmarks.compile --knapsack    (the knapsack drop-in against PyTorch's dp solver)
 
 For each model and inner compiler: the compiled step with PyTorch's default partition
@@ -40,6 +40,7 @@ import optremat
 from benchmarks.native import _seconds, case_of, compiled_loss
 from benchmarks.report import table, write_rows
 from optremat.bench import torch_budget_backend
+from optremat.costs import COST_MODELS
 from optremat.graph import format_bytes
 from optremat.runtime.measure import measure_peak
 
@@ -50,7 +51,7 @@ TORCH_BUDGETS = (0.5, 0.3, 0.1)
 FRACTIONS = (0.9, 0.7, 0.5)
 
 
-def rows(name: str, inner: str, rounds: int, limit: float) -> list[list[str]]:
+def rows(name: str, inner: str, rounds: int, limit: float, cost_model: str) -> list[list[str]]:
     case = case_of(name, "cpu")
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
@@ -89,7 +90,7 @@ def rows(name: str, inner: str, rounds: int, limit: float) -> list[list[str]]:
     budgets += [(f"{f:.0%} of unplanned", int(f * peaks["unplanned"])) for f in FRACTIONS]
     priced = compiled_loss(case, name)
     for label, budget in budgets:
-        backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=priced)
+        backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=priced, cost_model=cost_model)
         try:
             run, seconds, same = compiled_step(backend)
         except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -190,6 +191,8 @@ def main() -> None:
     parser.add_argument("--inner", default="aot_eager,inductor")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
+    parser.add_argument("--cost-model", default="roofline", choices=COST_MODELS,
+                        help="how optremat prices ops: the roofline, or each op timed on this machine")
     parser.add_argument("--out", default=str(Path(__file__).with_name("compile.md")))
     parser.add_argument("--knapsack", action="store_true",
                         help="compare the knapsack drop-in with PyTorch's default solver instead (prints a table)")
@@ -207,7 +210,7 @@ def main() -> None:
     head = ["# optremat as torch.compile's partitioner", "",
             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
             __doc__.split("\n\n", 2)[2].strip(), ""]
-    write_rows(Path(args.out), head, HEADER, (rows(name, inner, args.rounds, args.limit)
+    write_rows(Path(args.out), head, HEADER, (rows(name, inner, args.rounds, args.limit, args.cost_model)
                                               for inner in args.inner.split(",") for name in args.models.split(",")))
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ class DeviceProfile:
     dispatch_seconds: float = 1.6e-5
 
 
+COST_MODELS = ("roofline", "profile")
+"""How ops are priced: from FLOPs and bytes over a device profile, or timed on this machine."""
+
 DEVICES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", flops_per_second=1.0e11, bytes_per_second=1.0e10, launch_seconds=5e-6),
     "a100": DeviceProfile("a100", flops_per_second=1.56e14, bytes_per_second=1.6e12, launch_seconds=5e-6),

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from optremat.costs import DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
+from optremat.costs import COST_MODELS, DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
 from optremat.graph import Graph
 from optremat.schedule import keep_all, simulate
 
@@ -104,8 +104,8 @@ def trace(
     device: str | DeviceProfile = "cpu",
 ) -> Traced:
     """Like `extract`, also returning the fx graph the Graph was built from."""
-    if cost_model not in ("roofline", "profile"):
-        raise ValueError(f"cost_model must be 'roofline' or 'profile', not {cost_model!r}")
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model must be one of {', '.join(map(repr, COST_MODELS))}, not {cost_model!r}")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())

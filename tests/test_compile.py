@@ -158,6 +158,28 @@ def test_every_op_recomputed_where_needed_runs_as_eager() -> None:
     assert seen and seen[0].schedule.recomputations > 0
 
 
+def test_profiled_joint_costs_time_each_op_here() -> None:
+    """With cost_model="profile" a joint graph's ops cost what they took when timed on
+    tensors of their shapes; the graph is otherwise the roofline's."""
+    example = gpt()
+    seen: list[tuple] = []
+
+    def partition_fn(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None):
+        read = [read_joint(joint, num_fwd_outputs, static_lifetime_input_indices or [], device_profile("cpu"),
+                           cost_model=cost_model).graph for cost_model in ("roofline", "profile")]
+        seen.append(tuple(read))
+        return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                   static_lifetime_input_indices=static_lifetime_input_indices)
+
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_fn)
+    step(torch.compile(example.model, backend=backend, dynamic=False), example.inputs, example.loss_fn)
+    (roofline, profiled), = seen
+    assert profiled.names == roofline.names and np.array_equal(profiled.size, roofline.size)
+    matmuls = [i for i, op in enumerate(profiled.ops) if op.split(".")[0] in ("mm", "addmm", "bmm")]
+    assert matmuls and all(profiled.cost[i] > 0 for i in matmuls)
+    assert not np.allclose(profiled.cost[matmuls], roofline.cost[matmuls])
+
+
 def test_a_schedule_computing_ops_three_times_runs_at_its_simulated_peak() -> None:
     model, inputs, loss_fn = deep_mlp()
     model, inputs = model.float(), tuple(x.float() for x in inputs)
@@ -291,7 +313,8 @@ def test_inductor_runs_a_plan_within_its_budget_and_predicted_peak(fraction: flo
     assert peak_of(model, compiled, inputs, loss_fn) <= predicted * 1.02
 
 
-def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak() -> None:
+@pytest.mark.parametrize("cost_model", ["roofline", "profile"])
+def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak(cost_model: str) -> None:
     """With solver "auto", PyTorch's own min-cut partitions of the graph compete, priced as
     optremat's partitioner runs them: given the measured peak of PyTorch's partition at
     activation_memory_budget 0.5, the plan is predicted no dearer than any of them that
@@ -304,7 +327,8 @@ def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak() -> None:
     with functorch_config.patch(activation_memory_budget=0.5):
         torch_peak = peak_of(model, torch.compile(model, backend=min_cut, dynamic=False), inputs, loss_fn)
     torch._dynamo.reset()
-    backend = optremat.compile_backend(torch_peak, inner="aot_eager", time_limit=5, loss_fn=loss_fn)
+    backend = optremat.compile_backend(torch_peak, inner="aot_eager", time_limit=5, loss_fn=loss_fn,
+                                       cost_model=cost_model)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     assert_same_step(expected, step(compiled, inputs, loss_fn))
     plan = backend.plans[0]
@@ -352,6 +376,8 @@ def test_bad_configurations_are_refused_before_compiling() -> None:
         optremat.compile_backend(0.5, order="fastest")
     with pytest.raises(ValueError, match="solver"):
         optremat.compile_backend(0.5, solver="magic")
+    with pytest.raises(ValueError, match="cost model"):
+        optremat.compile_backend(0.5, cost_model="guess")
     with pytest.raises(ValueError, match="budget"):
         optremat.compile_backend("lots")
     with pytest.raises(ValueError, match="budget"):

@@ -29,7 +29,7 @@ from optremat.compiler.inductor import inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.partition import partition, writable
 from optremat.compiler.torch_partitions import RIVALS, Rivals, torch_keep_sets
-from optremat.costs import DeviceProfile, device_profile, profile_for
+from optremat.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
 from optremat.extract import depending_on
 from optremat.fingerprint import package_version
 from optremat.graph import Graph
@@ -65,6 +65,7 @@ class Partitioner(CustomPartitionerFn):
     share: bool = False
     inline: bool = False
     order: str = "traced"
+    cost_model: str = "roofline"
     plans: list[Plan] = field(default_factory=list)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -77,7 +78,7 @@ class Partitioner(CustomPartitionerFn):
         gm.recompile()
         profile = self._profile(joint_inputs)
         step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []), profile,
-                          self.loss_fn)
+                          self.loss_fn, self.cost_model)
         if self.inline:
             step = inductor_step(step, profile)
         found = self._plan(step, profile, lambda graph: torch_keep_sets(gm, joint_inputs, kwargs, graph))
@@ -87,7 +88,7 @@ class Partitioner(CustomPartitionerFn):
     def uuid(self) -> str:
         parts = [self.budget, self.solver, self.time_limit, self.deterministic, self.seed, self.cache,
                  getattr(self.loss_fn, "__qualname__", self.loss_fn), self.device, self.share, self.inline, self.order,
-                 RIVALS, package_version()]
+                 self.cost_model, RIVALS, package_version()]
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def _profile(self, joint_inputs: Sequence[object]) -> DeviceProfile:
@@ -106,7 +107,8 @@ class Partitioner(CustomPartitionerFn):
         store = PlanCache(self.cache)
         key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
                         deterministic=self.deterministic, device=profile, runtime="compiled", share=self.share,
-                        inline=self.inline, order=self.order, rivals=RIVALS, version=package_version())
+                        inline=self.inline, order=self.order, cost_model=self.cost_model, rivals=RIVALS,
+                        version=package_version())
         with store.locked(key):
             hit = store.get(key, self.time_limit, Plan.from_json)
             if hit is not None:
@@ -252,7 +254,8 @@ class Backend:
 def compile_backend(budget: int | float | str, *, inner: str = "inductor", solver: str = "auto",
                     time_limit: float = 30.0, deterministic: bool = False, seed: int = 0, workers: int = 0,
                     cache: str | Path | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                    device: str | DeviceProfile | None = None, order: str = "traced") -> Backend:
+                    device: str | DeviceProfile | None = None, order: str = "traced",
+                    cost_model: str = "roofline") -> Backend:
     """A `torch.compile` backend that plans every compiled training step under `budget`:
     `torch.compile(model, backend=optremat.compile_backend("6GiB"), dynamic=False)`.
 
@@ -267,8 +270,11 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     `time_limit`, `deterministic`, `seed` and `workers` are `plan()`'s; `cache`, a
     directory, keeps plans across processes, so the second compile of the same graph
     solves nothing. `order="best"` lets the graphs run independent ops in another order
-    where that lowers the unplanned peak (`optremat.order.best_order`). A budget no plan
-    meets raises InfeasibleBudget (wrapped by dynamo) naming the smallest budget found.
+    where that lowers the unplanned peak (`optremat.order.best_order`). `cost_model` is
+    "roofline" (ops priced from FLOPs and bytes over `device`'s profile) or "profile"
+    (each op of the joint graph timed on this machine as the graph is planned, on random
+    tensors of its shapes). With `solver="auto"`, PyTorch's own min-cut partitions of the
+    graph compete (`plan.compared`). A budget no plan meets raises InfeasibleBudget (wrapped by dynamo) naming the smallest budget found.
     Create one backend per configuration: dynamo reuses compiled graphs per backend object.
     """
     if inner not in INNER:
@@ -278,5 +284,8 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     check_budget(budget)
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
     return Backend(Partitioner(budget, solver, time_limit, deterministic, seed, workers, cache, loss_fn, device,
-                               share=inner == "aot_eager", inline=inner == "inductor", order=order), inner)
+                               share=inner == "aot_eager", inline=inner == "inductor", order=order,
+                               cost_model=cost_model), inner)

@@ -28,7 +28,7 @@ from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch.partitioners import _is_primal, _is_tangent, classify_nodes
 from torch.utils._pytree import arg_tree_leaves
 
-from optremat.costs import DeviceProfile, roofline_cost
+from optremat.costs import DeviceProfile, profile_costs, roofline_cost
 from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, mutated_inputs, output_loss_bytes, to_graph
 from optremat.graph import Graph
 from optremat.runtime.ops import is_random
@@ -64,10 +64,13 @@ class JointStep:
 
 
 def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int],
-               profile: DeviceProfile, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> JointStep:
+               profile: DeviceProfile, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               cost_model: str = "roofline") -> JointStep:
     """The step `joint` computes, with room for the loss computed on its forward outputs
     between its forward and its backward (`loss_fn`, or a cross-entropy over the largest
-    output's last dimension, `extract.assumed_loss`, when none is given)."""
+    output's last dimension, `extract.assumed_loss`, when none is given). Its ops cost what
+    the roofline over `profile` says, or with `cost_model="profile"` what they take when
+    timed here (`timed_costs`)."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     if any(not _is_primal(n) and not _is_tangent(n) for n in placeholders):
         names = [n.name for n in placeholders if not _is_primal(n) and not _is_tangent(n)]
@@ -93,7 +96,8 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
     handed = [n for n, d in zip(results[:num_fwd_outputs], descs) if isinstance(n, torch.fx.Node)
               and not isinstance(d, InputMutationAOTOutput)]
     kept = [n for n in results if isinstance(n, torch.fx.Node) and (not tangents or n not in handed)]
-    costs = {n.name: roofline_cost(n, profile) for n in others}
+    costs = (timed_costs(joint, placeholders) if cost_model == "profile"
+             else {n.name: roofline_cost(n, profile) for n in others})
     backward = set(tangents) | (set(others) - forward)
     graph = to_graph(ordered, kinds, [], costs, kept, backward.__contains__)
     mutated = _mutated_inputs(joint, primals)
@@ -105,6 +109,21 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
         fixed.insert(at, False)
     return JointStep(graph, {n.name: n for n in ordered}, np.array(fixed, dtype=bool),
                      frozenset(n.name for n in mutated))
+
+
+def timed_costs(joint: torch.fx.GraphModule, placeholders: list[torch.fx.Node]) -> dict[str, float]:
+    """Seconds each op of `joint` takes on this machine (`costs.profile_costs`), run on
+    tensors shaped like its inputs: floating-point ones drawn at random, the others zero,
+    so that indices and targets stay in range."""
+    with unset_fake_temporarily(), torch._guards.tracing(None), torch.no_grad():
+        return profile_costs(joint, [_real_like(n.meta["val"]) for n in placeholders])
+
+
+def _real_like(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return real.normal_() if real.is_floating_point() else real.zero_()
 
 
 def _loss_bytes(tangent_values: list[Any], loss_fn: Callable[[Any], torch.Tensor] | None,

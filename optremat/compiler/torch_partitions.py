@@ -2,13 +2,12 @@
 
 PyTorch's min-cut partitioner with `activation_memory_budget` is what a user of
 `torch.compile` runs instead of optremat. Its partition of the very joint graph optremat
-is planning, at a range of budget fractions, becomes a candidate plan: the forward
-tensors its forward graph returns for the backward are kept, every other forward tensor
-the backward needs is recomputed where the backward first needs it (as its backward
-graph, reordered to follow the autograd engine, recomputes them). optremat prices each
-candidate as its own partitioner runs it, so the plan it picks is never one PyTorch's
-knob beats in that pricing.
-"""
+is planning, at a range of budget fractions, becomes a candidate plan: the forward ops
+its backward graph runs again are recomputed where the backward first needs them (as
+that graph, reordered to follow the autograd engine, recomputes them), and every other
+tensor is kept until its last reader. optremat prices each candidate as its own
+partitioner runs it, so the plan it picks is never one PyTorch's knob beats in that
+pricing."""
 
 from __future__ import annotations
 
@@ -56,4 +55,3 @@ def torch_keep_sets(joint: fx.GraphModule, joint_inputs: Sequence[object], kwarg
             seen.add(kept.tobytes())
             found[fraction] = kept
     return found
-
