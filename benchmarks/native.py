@@ -11,7 +11,8 @@ around every repeated block for the built-in models) and `torch.compile` with Py
 planned with each peer's measured peak as its budget ("= peer"), and at 50/70/90% of the
 unplanned simulated peak; at each PyTorch budget's peak, `optremat.compile_backend` (inner
 aot_eager, or Inductor where the peers run Inductor) is compiled too ("compile_backend =
-torch f"), what a user of `torch.compile` picks instead of PyTorch's budget. Every
+torch f"), what a user of `torch.compile` picks instead of PyTorch's budget, with the same
+cost model as the native plans. Every
 configuration's step time is measured in the same process over `rounds` rounds after one
 uncounted warm-up round; in each round the configurations run in a shuffled order, each
 right after a step of its baseline, and the overhead is the median of the per-round ratios
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 import optremat
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend, under
+from optremat.costs import COST_MODELS
 from optremat.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
@@ -179,7 +181,7 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
             budgets.append((f"= torch {fraction:g}", peak, True))
             methods[f"compile_backend = torch {fraction:g}"] = _compiled_plan(
                 case, name, f"= torch {fraction:g}", peak, "inductor" if backend == "inductor" else "aot_eager", limit,
-                step_of, measured)
+                cost_model, step_of, measured)
     budgets += [(f"{f:.0%}", f, True) for f in (0.5, 0.7, 0.9)]
     for label, budget, with_loss in budgets:
         started = time.perf_counter()
@@ -226,12 +228,13 @@ def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], r
             fields["optremat / peer (median)"] = f"{statistics.median(m / p for m, p in zip(seconds[key], seconds[peer])):.3f}"
 
 
-def _compiled_plan(case: Case, name: str, label: str, budget: int, inner: str, limit: float,
+def _compiled_plan(case: Case, name: str, label: str, budget: int, inner: str, limit: float, cost_model: str,
                    step_of: Callable[[torch.nn.Module], Callable[[], Any]], measured: Callable[[Callable[[], Any]], int]
                    ) -> tuple[Callable[[], Any] | None, dict[str, str]]:
     """`optremat.compile_backend` at `budget` bytes (`label` names it): its step (None
     when infeasible) and its row's fields."""
-    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=compiled_loss(case, name))
+    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=compiled_loss(case, name),
+                                       cost_model=cost_model)
     method = f"optremat compile_backend ({inner})"
     started = time.perf_counter()
     step = step_of(torch.compile(case.model, backend=backend, dynamic=False))
@@ -263,8 +266,8 @@ def main() -> None:
     parser.add_argument("--models", default="gpt-mini,resnet-mini,llama,hf-resnet")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
-    parser.add_argument("--cost-model", default="roofline", choices=("roofline", "profile"),
-                        help="op costs the native plans are priced with: the roofline model, or each op timed here")
+    parser.add_argument("--cost-model", default="roofline", choices=COST_MODELS,
+                        help="op costs optremat's plans are priced with: the roofline model, or each op timed here")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default="aot_eager_decomp_partition",
                         help="what torch.compile runs the peers' partitions with (e.g. inductor)")
