@@ -355,6 +355,20 @@ def test_inductor_plans_leave_a_resnets_float64_gradients_as_eager() -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_a_failing_pytorch_partitioner_leaves_the_plan_to_optremat(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(*args, **kwargs):
+        raise RuntimeError("no partition today")
+
+    monkeypatch.setattr("optremat.compiler.torch_partitions.min_cut_rematerialization_partition", failing)
+    example = gpt()
+    expected = step(example.model, example.inputs, example.loss_fn)
+    backend = optremat.compile_backend(0.8, inner="aot_eager", time_limit=2, loss_fn=example.loss_fn)
+    with pytest.warns(UserWarning, match="min-cut partitioner failed"):
+        got = step(torch.compile(example.model, backend=backend, dynamic=False), example.inputs, example.loss_fn)
+    assert_same_step(expected, got)
+    assert backend.plans[0].compared == ()
+
+
 def test_later_steps_do_not_compile_again() -> None:
     example = gpt()
     backend = optremat.compile_backend(0.8, inner="aot_eager", solver="dtr")

@@ -39,14 +39,21 @@ def torch_keep_sets(joint: fx.GraphModule, joint_inputs: Sequence[object], kwarg
     partition at that `activation_memory_budget` does not recompute in its backward graph
     (a view of a recomputed tensor is recomputed with it, whatever name the backward
     graph gives it); fractions whose keep set repeats a larger fraction's are left out.
-    `joint` is not modified."""
+    `joint` is not modified. Should PyTorch's partitioner fail, a warning says so and the
+    fractions it did partition are returned."""
     found: dict[float, np.ndarray] = {}
     seen: set[bytes] = set()
     for fraction in sorted(fractions, reverse=True):
         copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
-        with functorch_config.patch(activation_memory_budget=fraction), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, backward = min_cut_rematerialization_partition(copied, joint_inputs, **kwargs)
+        try:
+            with functorch_config.patch(activation_memory_budget=fraction), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _, backward = min_cut_rematerialization_partition(copied, joint_inputs, **kwargs)
+        except Exception as error:  # noqa: BLE001 - PyTorch's partitioner is a rival, never a requirement
+            warnings.warn(f"optremat: PyTorch's min-cut partitioner failed on this graph at "
+                          f"activation_memory_budget {fraction:g} ({type(error).__name__}: {error}); "
+                          "its partitions at that budget and below do not compete", stacklevel=2)
+            return found
         rerun = {node.name for node in backward.graph.nodes if node.op == "call_function"}
         kept = np.array([graph.backward[i] or name not in rerun for i, name in enumerate(graph.names)])
         for i in np.nonzero((graph.alias_of >= 0) & (graph.size == 0))[0].tolist():
