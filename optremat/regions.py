@@ -5,7 +5,8 @@ run under `torch.utils.checkpoint` (non-reentrant); within a region a selective 
 keyed by (op, occurrence of that op in the call) saves the outputs of some ops. When the
 backward first unpacks a tensor the region's autograd nodes saved, the region's forward
 reruns from its start: saved ops return their stored outputs, every other op runs again,
-and the rerun stops after the last op whose autograd node saves a tensor (early stop).
+and the rerun stops at the last op whose autograd node saves a tensor (early stop; that
+op runs only if its node saves its output, since autograd saves inputs before the kernel).
 Recomputed tensors the backward reads live until their last reader; the others die
 within the rerun; a saved output is stored until the rerun takes it (priced as held
 through the backward op that triggered the rerun); the region's inputs live until the
@@ -280,7 +281,8 @@ def _region(rmap: RegionMap, call: Call, kept: np.ndarray) -> tuple[int, int, li
         o = int(facts.owner[v])
         if wanted and o in keys and o <= last and not rmap.random[o] and not facts.overwritten[o]:
             saved_ops.add(o)
-    recomputed = [v for v in nodes if v <= last and int(facts.owner[v]) in inside
+    stop = last if _saves_its_output(rmap, last) else last - 1
+    recomputed = [v for v in nodes if v <= stop and int(facts.owner[v]) in inside
                   and int(facts.owner[v]) not in saved_ops]
     if not any(facts.backward_reads[v] for v in recomputed):
         return None
@@ -288,6 +290,15 @@ def _region(rmap: RegionMap, call: Call, kept: np.ndarray) -> tuple[int, int, li
         return None
     t = min(s for v in nodes for s in facts.unpacks[v])
     return t, last, sorted(saved_ops), recomputed
+
+
+def _saves_its_output(rmap: RegionMap, v: int) -> bool:
+    """Whether the autograd node of `v` saves an output of `v` (its backward ops read
+    storage `v` owns). Autograd saves an op's inputs before its kernel runs and its
+    outputs after, so a rerun's early stop at the last op that saves tensors computes
+    that op only when it saves an output."""
+    graph, facts = rmap.graph, rmap.facts
+    return any(facts.owner[p] == v for s in facts.ran[v] for p in graph.preds[s].tolist() if not graph.backward[p])
 
 
 def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int]) -> Schedule:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import optremat
 from optremat.models import GPT, build
@@ -431,3 +433,43 @@ def test_a_shape_no_plan_fits_runs_the_plan_applied_with_a_warning() -> None:
     assert list(replan.plans.values()) == [plan]
     with pytest.raises(ValueError, match="solver"):
         optremat.Replanning(solver="fastest")
+
+
+class Counting(TorchDispatchMode):
+    """How many times each op runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ran[str(func).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(module: nn.Module, model: nn.Module, inputs: tuple, loss_fn) -> Counter[str]:
+    """The ops one backward of `module` runs (gradients cleared first, so none accumulates)."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(3)
+    loss = loss_fn(module(*inputs))
+    with Counting() as counting:
+        loss.backward()
+    return counting.ran
+
+
+@pytest.mark.parametrize("name,budget", [("deep-mlp", 0.6), ("convnet", 0.7), ("gpt-dropout", 0.8),
+                                         ("resnet-tiny", 0.8)])
+def test_the_backward_recomputes_exactly_what_the_plan_prices(name: str, budget: float) -> None:
+    """Every op that computes (views aside) runs in the planned backward as many times more
+    than in the unplanned one as the plan's schedule recomputes it: a rerun stops before
+    the kernel of its last saving op when that op saves only its inputs."""
+    model, inputs, loss_fn = MODELS[name]()
+    unplanned = backward_ops(model, model, inputs, loss_fn)
+    plan = optremat.plan(model, inputs, budget, loss_fn=loss_fn, time_limit=5)
+    graph = plan.graph
+    priced = Counter(graph.ops[v] for v, s, _ in plan.schedule.events if s != v)
+    planned = backward_ops(optremat.apply(model, plan), model, inputs, loss_fn)
+    computing = {graph.ops[v] for v in range(graph.n) if not graph.backward[v] and graph.alias_of[v] < 0}
+    assert priced, "the plan should recompute something at this budget"
+    assert {op: planned[op] - unplanned[op] for op in computing} == {op: priced[op] for op in computing}
