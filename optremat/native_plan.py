@@ -25,6 +25,7 @@ from optremat.plan import Plan, loss_note
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.schedule import keep_all, kept_for_backward, simulate
 from optremat.sharding import FSDP, Parallel, per_rank, unit_of
+from optremat.ilp.bounds import solver_floor
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress
 from optremat.solve import solve
 
@@ -34,7 +35,10 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
                   started: float) -> Plan:
     """Solve on the coarsened graph, lower the keep set to module regions, and keep the
     cheapest region plan that fits; region plans built for the budget compete, and stand
-    alone when the solver finds no plan."""
+    alone when the solver finds no plan. The coarse solver's bound holds for coarse plans
+    only, so the plan's bound is the memory bound of the step's own graph, which every
+    plan the runtime can run (a schedule of that graph, plus the runtime's own cost)
+    obeys: OPTIMAL when the plan meets it."""
     graph = rmap.graph
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
@@ -54,17 +58,13 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
                                f"{solver} on the native runtime")
     best: Priced = min(fitting, key=lambda c: c.cost)
     result = best.result
-    if best.source == "solver":
-        solver_overhead = solution.cost / total - 1
-        lossless = best.overhead <= solver_overhead + 1e-9
-        name, status = solution.solver, solution.status if lossless or solution.status != OPTIMAL else FEASIBLE
-    else:
-        solver_overhead = best.overhead
-        name, status = best.source, FEASIBLE if solution is not None and solution.lower_bound is not None else HEURISTIC
+    solver_overhead = solution.cost / total - 1 if best.source == "solver" else best.overhead
+    floor = solver_floor(graph, budget_bytes, time_limit, share=False)
+    proven = best.cost <= total + floor + 1e-9 * total
     return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
                 budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
-                predicted_overhead=best.overhead, solver=name, status=status,
-                lower_bound=None if solution is None or solution.lower_bound is None else solution.lower_bound / total - 1,
+                predicted_overhead=best.overhead, solver=solution.solver if best.source == "solver" else best.source,
+                status=OPTIMAL if proven else FEASIBLE, lower_bound=floor / total,
                 solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead)
 
 

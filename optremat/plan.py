@@ -29,10 +29,11 @@ class Plan:
     schedule its `runtime` executes at the shape it was priced for (`graph`): "native"
     (`optremat.apply` checkpoints its `regions`, keyed by module call and op occurrence,
     so it runs at any shape; `optremat.reprice` prices it at another) or "compiled" (the
-    forward and backward graphs of one torch.compile region). `status` is OPTIMAL only when the solver proved its
-    plan optimal and running it as regions lost nothing; `lower_bound` is the solver's
-    proven lower bound on the overhead, in the planning model (the coarsened graph, each
-    op computed at most a few times), or None when nothing is proven. `loss` says how the
+    forward and backward graphs of one torch.compile region). `lower_bound` is a proven
+    lower bound on the overhead and `status` is OPTIMAL only when the plan meets it: for a
+    native plan the memory bound of the step's graph, which holds for every plan the
+    native runtime can run; for a compiled plan the solver's, in its planning model (the
+    coarsened graph, each op computed at most a few times); None when nothing is proven. `loss` says how the
     loss computed after the model was priced. A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
     `compared` lists the other planners' plans that competed for this one, priced the same
     way: (name, predicted peak bytes, predicted overhead) each (a compiled plan's rivals
