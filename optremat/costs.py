@@ -22,14 +22,20 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class DeviceProfile:
     """Peak rates of a device; an op costs max(FLOPs / flops, bytes / bandwidth) + launch.
-    `dispatch_seconds` is what a Python dispatch mode (selective checkpointing's) adds to
-    each op it sees, on the host that drives the device."""
+    The rest is what `torch.utils.checkpoint` costs on the host that drives the device:
+    `dispatch_seconds` a Python dispatch mode (selective checkpointing's) adds to each op it
+    sees, `rerun_seconds` each checkpointed call (its bookkeeping and its rerun), and `pack_seconds` each
+    tensor its autograd nodes save (packed in the forward and the rerun, unpacked in the
+    backward). The last two were measured on a 2-core x86 CPU with torch 2.13: chains of
+    tiny ops saving one or two tensors each, checkpointed against plain."""
 
     name: str
     flops_per_second: float
     bytes_per_second: float
     launch_seconds: float
     dispatch_seconds: float = 1.6e-5
+    rerun_seconds: float = 6.5e-5
+    pack_seconds: float = 7e-6
 
 
 COST_MODELS = ("roofline", "profile")

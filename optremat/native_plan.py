@@ -75,8 +75,9 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
     sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
                  for path, module in model.named_modules() if isinstance(module, nn.Sequential)}
     unit = unit_of(graph, parallel.units) if isinstance(parallel, FSDP) else None
+    profile = device_profile(device)
     return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
-                     device_profile(device).dispatch_seconds, unit)
+                     profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds)
 
 
 

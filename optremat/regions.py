@@ -60,8 +60,9 @@ class Region:
 @dataclass(frozen=True, eq=False)
 class Lowering:
     """The regions that run under checkpoint and the schedule they execute on the graph;
-    `runtime_cost` is what the runtime itself adds (seconds): selective policies see every
-    op of their region in the forward and again in the rerun."""
+    `runtime_cost` is what the runtime itself adds (seconds): checkpoint's bookkeeping of
+    each call and of each tensor it saves, and selective policies' look at every op of
+    their region in the forward and again in the rerun."""
 
     regions: tuple[Region, ...]
     schedule: Schedule
@@ -89,9 +90,11 @@ class RegionMap:
     backward op the forward op whose autograd node runs it (-1 if none). `sequences`
     names the children of each nn.Sequential (by path, "" for the model itself): a run
     of consecutive children is a region too, as `checkpoint_sequential` makes them.
-    `dispatch_seconds` is the cost of a selective policy's look at one op. `unit`, when
-    given, names per node the FSDP unit running it: a region never spans two units, so
-    its rerun finds its parameters gathered and never gathers them again."""
+    `dispatch_seconds` is the cost of a selective policy's look at one op, `rerun_seconds`
+    checkpoint's own cost per call it reruns and `pack_seconds` per tensor the call's
+    autograd nodes save. `unit`, when given, names per node the FSDP unit running it: a
+    region never spans two units, so its rerun finds its parameters gathered and never
+    gathers them again."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]
@@ -100,6 +103,8 @@ class RegionMap:
     sequences: dict[str, tuple[str, ...]]
     dispatch_seconds: float = 0.0
     unit: np.ndarray | None = None
+    rerun_seconds: float = 0.0
+    pack_seconds: float = 0.0
 
     @cached_property
     def members(self) -> dict[Call, np.ndarray]:
@@ -177,12 +182,14 @@ class RegionMap:
 @dataclass(frozen=True, eq=False)
 class _Facts:
     """Per node: the backward ops reading it, the last forward op reading it, the backward
-    ops its autograd node runs that read forward tensors (those unpack what the node saved)
-    and all it runs; the op owning its storage; and storages written in place."""
+    ops its autograd node runs that read forward tensors (those unpack what the node saved),
+    how many forward tensors they read (what the node saves) and all it runs; the op
+    owning its storage; and storages written in place."""
 
     backward_reads: list[list[int]]
     last_forward_read: np.ndarray
     unpacks: list[list[int]]
+    saves: np.ndarray
     ran: list[list[int]]
     owner: np.ndarray
     overwritten: np.ndarray
@@ -205,13 +212,15 @@ class _Facts:
             ran[int(grad_of[s])].append(s)
             if any(not graph.backward[p] for p in graph.preds[s].tolist()):
                 unpacks[int(grad_of[s])].append(s)
+        saves = np.array([len({p for s in unpacks[v] for p in graph.preds[s].tolist() if not graph.backward[p]})
+                          for v in range(n)], dtype=np.int64)
         root = graph.storage_root
         owner = np.where(graph.is_part[root], graph.alias_of[root], root)
         in_place = np.array([bool(graph.alias_of[v] >= 0) and graph.ops[v].split(".")[0].endswith("_")
                              for v in range(n)], dtype=bool)
         overwritten = np.zeros(n, dtype=bool)
         overwritten[owner[graph.alias_of[in_place]]] = True
-        return cls(backward_reads, last, unpacks, ran, owner, overwritten, in_place)
+        return cls(backward_reads, last, unpacks, saves, ran, owner, overwritten, in_place)
 
 
 def _tilings(count: int) -> dict[int, list[tuple[int, int]]]:
@@ -230,6 +239,7 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     held: dict[int, int] = {}
     regions = []
     dispatched = 0
+    checkpointing = 0.0
     for call in structure:
         plan = _region(rmap, call, kept)
         if plan is None:
@@ -239,6 +249,7 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
         if saved_ops:
             dispatched += sum(graph.ops[v] != "getitem" for v in nodes) \
                 + sum(graph.ops[v] != "getitem" for v in nodes if v <= last)
+        checkpointing += rmap.rerun_seconds + rmap.pack_seconds * int(facts.saves[nodes].sum())
         recompute.setdefault(t, []).extend(recomputed)
         released = min(max([t] + [s + 1 for v in nodes for s in facts.ran[v]]), graph.n - 1)
         inside = set(nodes)
@@ -250,7 +261,8 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
             held[o] = max(held.get(o, t + 1), min(t + 1, graph.n - 1))
         keys = rmap.keys(call)
         regions.append(Region(call[0], call[1], frozenset(keys[o] for o in saved_ops)))
-    return Lowering(tuple(regions), _schedule(graph, recompute, held), dispatched * rmap.dispatch_seconds)
+    return Lowering(tuple(regions), _schedule(graph, recompute, held),
+                    dispatched * rmap.dispatch_seconds + checkpointing)
 
 
 def _region(rmap: RegionMap, call: Call, kept: np.ndarray) -> tuple[int, int, list[int], list[int]] | None:

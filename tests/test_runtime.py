@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from typing import NamedTuple
 
@@ -12,7 +13,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optremat
+from optremat.costs import DEVICES
 from optremat.models import GPT, build
+from optremat.regions import Region
 from optremat.runtime.measure import measure_peak
 
 
@@ -484,3 +487,34 @@ def test_a_native_plan_never_beats_its_proven_bound(name: str) -> None:
     plan = optremat.plan(example.model, example.inputs, 0.9, loss_fn=example.loss_fn, time_limit=5)
     assert plan.lower_bound is not None and 0 <= plan.lower_bound <= plan.predicted_overhead + 1e-9
     assert (plan.status == "OPTIMAL") == (plan.predicted_overhead <= plan.lower_bound + 1e-9)
+
+
+@pytest.mark.parametrize("name,blocks", [("gpt-dropout", 3), ("convnet", 4)])
+def test_checkpoint_is_priced_per_call_and_per_tensor_its_nodes_save(name: str, blocks: int) -> None:
+    """A plan's runtime cost holds checkpoint's own: one `rerun_seconds` per checkpointed
+    call, and one `pack_seconds` per tensor autograd packs inside it, as many as a
+    saved-tensor hook counts in the unplanned forward."""
+    model, inputs, loss_fn = MODELS[name]()
+    paths = [f"blocks.{i}" for i in range(blocks)]
+    regions = [Region(path, 0) for path in paths]
+
+    def priced(rerun: float, pack: float) -> float:
+        profile = dataclasses.replace(DEVICES["cpu"], rerun_seconds=rerun, pack_seconds=pack)
+        plan = optremat.price_regions(model, inputs, regions, loss_fn=loss_fn, device=profile)
+        return plan.predicted_overhead * plan.graph.total_cost
+
+    inside, packed = [0], [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed[0] += inside[0] > 0
+        return tensor
+
+    for path in paths:
+        block = model.get_submodule(path)
+        block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] + 1))
+        block.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] - 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss_fn(model(*inputs))
+    assert packed[0] > 0
+    assert priced(0.0, 1.0) - priced(0.0, 0.0) == pytest.approx(packed[0])
+    assert priced(1.0, 0.0) - priced(0.0, 0.0) == pytest.approx(blocks)
