@@ -23,11 +23,11 @@ aten = torch.ops.aten
 class DeviceProfile:
     """Peak rates of a device; an op costs max(FLOPs / flops, bytes / bandwidth) + launch.
     The rest is what `torch.utils.checkpoint` costs on the host that drives the device:
-    `dispatch_seconds` a Python dispatch mode (selective checkpointing's) adds to each op it
-    sees, `rerun_seconds` each checkpointed call (its bookkeeping and its rerun), and `pack_seconds` each
-    tensor its autograd nodes save (packed in the forward and the rerun, unpacked in the
-    backward). The last two were measured on a 2-core x86 CPU with torch 2.13: chains of
-    tiny ops saving one or two tensors each, checkpointed against plain."""
+    `dispatch_seconds` a Python dispatch mode (selective checkpointing's) adds to each op
+    it sees, `rerun_seconds` each checkpointed call (its bookkeeping and its rerun), and
+    `pack_seconds` each tensor its autograd nodes save (packed in the forward and the
+    rerun, unpacked in the backward). The last two were measured on a 2-core x86 CPU with
+    torch 2.13: chains of tiny ops saving one or two tensors each, checkpointed and plain."""
 
     name: str
     flops_per_second: float

@@ -21,11 +21,11 @@ from optremat.coarsen import coarsen
 from optremat.costs import device_profile, model_device
 from optremat.extract import Traced, assumed_loss, trace
 from optremat.fingerprint import model_fingerprint
+from optremat.ilp.bounds import solver_floor
 from optremat.plan import Plan, loss_note
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.schedule import keep_all, kept_for_backward, simulate
 from optremat.sharding import FSDP, Parallel, per_rank, unit_of
-from optremat.ilp.bounds import solver_floor
 from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress
 from optremat.solve import solve
 

@@ -33,8 +33,8 @@ class Plan:
     lower bound on the overhead and `status` is OPTIMAL only when the plan meets it: for a
     native plan the memory bound of the step's graph, which holds for every plan the
     native runtime can run; for a compiled plan the solver's, in its planning model (the
-    coarsened graph, each op computed at most a few times); None when nothing is proven. `loss` says how the
-    loss computed after the model was priced. A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
+    coarsened graph, each op computed at most a few times); None when nothing is proven.
+    `loss` says how the loss computed after the model was priced. A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
     `compared` lists the other planners' plans that competed for this one, priced the same
     way: (name, predicted peak bytes, predicted overhead) each (a compiled plan's rivals
     are PyTorch's own partitions of the graph).
