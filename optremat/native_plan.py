@@ -36,17 +36,20 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     """Solve on the coarsened graph, lower the keep set to module regions, and keep the
     cheapest region plan that fits; region plans built for the budget compete, and stand
     alone when the solver finds no plan. The coarse solver's bound holds for coarse plans
-    only, so the plan's bound is the memory bound of the step's own graph, which every
-    plan the runtime can run (a schedule of that graph, plus the runtime's own cost)
-    obeys: OPTIMAL when the plan meets it."""
+    only, so the plan's bound, and the one `progress` reports with the solver's costs, is
+    the memory bound of the step's own graph, which every plan the runtime can run (a
+    schedule of that graph, plus the runtime's own cost) obeys: OPTIMAL when the plan
+    meets it."""
     graph = rmap.graph
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     total = graph.total_cost
+    floor = solver_floor(graph, budget_bytes, time_limit, share=False)
     solution, kept = None, None
     try:
         solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
-                         deterministic=deterministic, progress=progress)
+                         deterministic=deterministic,
+                         progress=None if progress is None else lambda at, cost, _: progress(at, cost, total + floor))
         kept = np.zeros(graph.n, dtype=bool)
         kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
     except (InfeasibleBudget, TimeoutError):
@@ -59,7 +62,6 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     best: Priced = min(fitting, key=lambda c: c.cost)
     result = best.result
     solver_overhead = solution.cost / total - 1 if best.source == "solver" else best.overhead
-    floor = solver_floor(graph, budget_bytes, time_limit, share=False)
     proven = best.cost <= total + floor + 1e-9 * total
     return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
                 budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
