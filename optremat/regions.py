@@ -183,13 +183,13 @@ class RegionMap:
 class _Facts:
     """Per node: the backward ops reading it, the last forward op reading it, the backward
     ops its autograd node runs that read forward tensors (those unpack what the node saved),
-    how many forward tensors they read (what the node saves) and all it runs; the op
-    owning its storage; and storages written in place."""
+    the forward tensors they read (what the node saves) and all it runs; the op owning its
+    storage; and storages written in place."""
 
     backward_reads: list[list[int]]
     last_forward_read: np.ndarray
     unpacks: list[list[int]]
-    saves: np.ndarray
+    saved: list[list[int]]
     ran: list[list[int]]
     owner: np.ndarray
     overwritten: np.ndarray
@@ -212,15 +212,15 @@ class _Facts:
             ran[int(grad_of[s])].append(s)
             if any(not graph.backward[p] for p in graph.preds[s].tolist()):
                 unpacks[int(grad_of[s])].append(s)
-        saves = np.array([len({p for s in unpacks[v] for p in graph.preds[s].tolist() if not graph.backward[p]})
-                          for v in range(n)], dtype=np.int64)
+        saved = [sorted({p for s in unpacks[v] for p in graph.preds[s].tolist() if not graph.backward[p]})
+                 for v in range(n)]
         root = graph.storage_root
         owner = np.where(graph.is_part[root], graph.alias_of[root], root)
         in_place = np.array([bool(graph.alias_of[v] >= 0) and graph.ops[v].split(".")[0].endswith("_")
                              for v in range(n)], dtype=bool)
         overwritten = np.zeros(n, dtype=bool)
         overwritten[owner[graph.alias_of[in_place]]] = True
-        return cls(backward_reads, last, unpacks, saves, ran, owner, overwritten, in_place)
+        return cls(backward_reads, last, unpacks, saved, ran, owner, overwritten, in_place)
 
 
 def _tilings(count: int) -> dict[int, list[tuple[int, int]]]:
@@ -249,7 +249,7 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
         if saved_ops:
             dispatched += sum(graph.ops[v] != "getitem" for v in nodes) \
                 + sum(graph.ops[v] != "getitem" for v in nodes if v <= last)
-        checkpointing += rmap.rerun_seconds + rmap.pack_seconds * int(facts.saves[nodes].sum())
+        checkpointing += rmap.rerun_seconds + rmap.pack_seconds * sum(len(facts.saved[v]) for v in nodes)
         recompute.setdefault(t, []).extend(recomputed)
         released = min(max([t] + [s + 1 for v in nodes for s in facts.ran[v]]), graph.n - 1)
         inside = set(nodes)
@@ -309,8 +309,8 @@ def _saves_its_output(rmap: RegionMap, v: int) -> bool:
     storage `v` owns). Autograd saves an op's inputs before its kernel runs and its
     outputs after, so a rerun's early stop at the last op that saves tensors computes
     that op only when it saves an output."""
-    graph, facts = rmap.graph, rmap.facts
-    return any(facts.owner[p] == v for s in facts.ran[v] for p in graph.preds[s].tolist() if not graph.backward[p])
+    facts = rmap.facts
+    return any(facts.owner[p] == v for p in facts.saved[v])
 
 
 def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int]) -> Schedule:
