@@ -8,6 +8,7 @@ it. Given regions are priced the same way at any input shape (`price_regions`, `
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -22,6 +23,7 @@ from optremat.costs import device_profile, model_device
 from optremat.extract import Traced, assumed_loss, trace
 from optremat.fingerprint import model_fingerprint
 from optremat.ilp.bounds import solver_floor
+from optremat.ilp.region_cpsat import solve_structure
 from optremat.plan import Plan, loss_note
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.schedule import keep_all, kept_for_backward, simulate
@@ -30,16 +32,20 @@ from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress
 from optremat.solve import solve
 
 
+ROUNDING = 1e-6
+"""Overhead by which a plan may exceed its bound and still be proven optimal: the exact
+search counts costs in whole nanoseconds per op."""
+
+
 def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit: float,
                   workers: int, seed: int, deterministic: bool, progress: Progress | None,
                   started: float) -> Plan:
-    """Solve on the coarsened graph, lower the keep set to module regions, and keep the
-    cheapest region plan that fits; region plans built for the budget compete, and stand
-    alone when the solver finds no plan. The coarse solver's bound holds for coarse plans
-    only, so the plan's bound, and the one `progress` reports with the solver's costs, is
-    the memory bound of the step's own graph, which every plan the runtime can run (a
-    schedule of that graph, plus the runtime's own cost) obeys: OPTIMAL when the plan
-    meets it."""
+    """The cheapest region plan that fits: the solver's keep set, solved on the coarsened
+    graph and lowered to module regions, and region plans built for the budget seed an
+    exact search over the regions of each structure (`solve_structure`), every candidate
+    priced on every op as the runtime runs it. The plan's bound is the least cost the
+    exact search proves for every structure, and never less than the memory bound of the
+    step's own graph: OPTIMAL when the plan meets it."""
     graph = rmap.graph
     coarse = coarsen(graph)
     baseline = simulate(graph, keep_all(graph)).peak_bytes
@@ -55,18 +61,29 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     except (InfeasibleBudget, TimeoutError):
         pass
     candidates = search(rmap, budget_bytes, kept)
+    seed_plan = min((c for c in candidates if c.result.peak_bytes <= budget_bytes), key=lambda c: c.cost, default=None)
+    structures = rmap.structures()
+    bound = math.inf
+    for structure in structures:
+        exact = solve_structure(rmap, structure, budget_bytes, time_limit / len(structures), workers=workers or 1,
+                                seed=seed, hint=() if seed_plan is None else seed_plan.lowering.regions)
+        candidates += [exact.priced] if exact.priced is not None else []
+        bound = min(bound, -math.inf if exact.bound is None else exact.bound)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting:
         raise InfeasibleBudget(budget_bytes, min(c.result.peak_bytes for c in candidates),
                                f"{solver} on the native runtime")
     best: Priced = min(fitting, key=lambda c: c.cost)
+    if progress is not None:
+        progress(time.perf_counter() - started, best.cost, max(total + floor, bound))
     result = best.result
     solver_overhead = solution.cost / total - 1 if best.source == "solver" else best.overhead
-    proven = best.cost <= total + floor + 1e-9 * total
+    lower_bound = max(floor / total, bound / total - 1)
+    proven = best.overhead <= lower_bound + ROUNDING
     return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
                 budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
                 predicted_overhead=best.overhead, solver=solution.solver if best.source == "solver" else best.source,
-                status=OPTIMAL if proven else FEASIBLE, lower_bound=floor / total,
+                status=OPTIMAL if proven else FEASIBLE, lower_bound=lower_bound,
                 solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead)
 
 

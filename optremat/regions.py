@@ -178,6 +178,16 @@ class RegionMap:
     def facts(self) -> "_Facts":
         return _Facts.of(self.graph, self.grad_of)
 
+    def rerun(self, call: Call) -> "Rerun | None":
+        """How `call` reruns under checkpoint (`rerun_of`), None if it cannot be checkpointed."""
+        if call not in self._reruns:
+            self._reruns[call] = rerun_of(self, call)
+        return self._reruns[call]
+
+    @cached_property
+    def _reruns(self) -> dict[Call, "Rerun | None"]:
+        return {}
+
 
 @dataclass(frozen=True, eq=False)
 class _Facts:
@@ -231,77 +241,104 @@ def _tilings(count: int) -> dict[int, list[tuple[int, int]]]:
             for length in lengths if length < count}
 
 
-def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lowering:
-    """The regions of `structure` that realise `kept` (forward nodes the backward should
-    find stored), and the schedule the runtime then executes."""
-    graph, facts = rmap.graph, rmap.facts
-    recompute: dict[int, list[int]] = {}
-    held: dict[int, int] = {}
-    regions = []
-    dispatched = 0
-    checkpointing = 0.0
-    for call in structure:
-        plan = _region(rmap, call, kept)
-        if plan is None:
-            continue
-        t, last, saved_ops, recomputed = plan
-        nodes = rmap.members[call].tolist()
-        if saved_ops:
-            dispatched += sum(graph.ops[v] != "getitem" for v in nodes) \
-                + sum(graph.ops[v] != "getitem" for v in nodes if v <= last)
-        checkpointing += rmap.rerun_seconds + rmap.pack_seconds * sum(len(facts.saved[v]) for v in nodes)
-        recompute.setdefault(t, []).extend(recomputed)
-        released = min(max([t] + [s + 1 for v in nodes for s in facts.ran[v]]), graph.n - 1)
-        inside = set(nodes)
-        for v in nodes:
-            for p in graph.preds[v].tolist():
-                if p not in inside and not graph.pinned[p]:
-                    held[p] = max(held.get(p, released), released)
-        for o in saved_ops:
-            held[o] = max(held.get(o, t + 1), min(t + 1, graph.n - 1))
-        keys = rmap.keys(call)
-        regions.append(Region(call[0], call[1], frozenset(keys[o] for o in saved_ops)))
-    return Lowering(tuple(regions), _schedule(graph, recompute, held),
-                    dispatched * rmap.dispatch_seconds + checkpointing)
+@dataclass(frozen=True, eq=False)
+class Rerun:
+    """What checkpointing one call does, whatever its policy saves: the rerun starts at
+    stage `t` (the first unpack of a tensor its autograd nodes saved) and computes the
+    `recomputable` nodes whose owner is not saved, stopping at `last` (the last op whose
+    autograd node saves a tensor); its `external` inputs live until `released`. A policy
+    may save the `saveable` ops (keyed, not random, not written over, up to `last`) and
+    must save the owners of `read_after` (outputs the backward reads after the call),
+    else the call cannot be checkpointed. `cost` is checkpoint's own bookkeeping (per
+    call and per saved tensor); `policy_looks` the ops a selective policy looks at, in
+    the forward and again in the rerun."""
+
+    nodes: tuple[int, ...]
+    last: int
+    t: int
+    released: int
+    recomputable: tuple[int, ...]
+    saveable: frozenset[int]
+    read_after: frozenset[int]
+    external: tuple[int, ...]
+    cost: float
+    policy_looks: int
 
 
-def _region(rmap: RegionMap, call: Call, kept: np.ndarray) -> tuple[int, int, list[int], list[int]] | None:
-    """(recompute stage, last op whose autograd node saves a tensor, ops saved, nodes
-    recomputed) of one region, or None when the
-    region runs plainly: `kept` stores every tensor of it the backward reads, nothing it
-    would recompute is read by the backward, its rerun
-    would write over a tensor from outside it, its autograd nodes save nothing, or an
-    output the backward reads after the region cannot be saved (the rerun would make a
-    second copy of a tensor that is still live). Only ops a selective policy sees (those
-    with a key) can be saved."""
+def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
+    """How `call` reruns under checkpoint, None when it cannot be checkpointed: its
+    autograd nodes save nothing, or its rerun would write over a tensor from outside it."""
     graph, facts, keys = rmap.graph, rmap.facts, rmap.keys(call)
     nodes = rmap.members[call].tolist()
     inside = set(nodes)
     packers = [v for v in nodes if facts.unpacks[v]]
-    if not packers or all(kept[v] for v in nodes if facts.backward_reads[v]):
+    if not packers:
         return None
     last = max(packers)
     if any(facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside
            and not graph.pinned[graph.storage_root[graph.alias_of[v]]] for v in nodes if v <= last):
         return None
     end = nodes[-1]
-    saved_ops = set()
-    for v in nodes:
-        if v > last:
-            break
-        wanted = kept[v] or (facts.backward_reads[v] and facts.last_forward_read[v] > end)
-        o = int(facts.owner[v])
-        if wanted and o in keys and o <= last and not rmap.random[o] and not facts.overwritten[o]:
-            saved_ops.add(o)
     stop = last if _saves_its_output(rmap, last) else last - 1
-    recomputed = [v for v in nodes if v <= stop and int(facts.owner[v]) in inside
-                  and int(facts.owner[v]) not in saved_ops]
+    t = min(s for v in nodes for s in facts.unpacks[v])
+    released = min(max([t] + [s + 1 for v in nodes for s in facts.ran[v]]), graph.n - 1)
+    counted = [v for v in nodes if graph.ops[v] != "getitem"]
+    return Rerun(
+        nodes=tuple(nodes), last=last, t=t, released=released,
+        recomputable=tuple(v for v in nodes if v <= stop and int(facts.owner[v]) in inside),
+        saveable=frozenset(o for o in nodes if o in keys and o <= last and not rmap.random[o]
+                           and not facts.overwritten[o]),
+        read_after=frozenset(v for v in nodes if v <= last and facts.backward_reads[v]
+                             and facts.last_forward_read[v] > end),
+        external=tuple(sorted({p for v in nodes for p in graph.preds[v].tolist()
+                               if p not in inside and not graph.pinned[p]})),
+        cost=rmap.rerun_seconds + rmap.pack_seconds * sum(len(facts.saved[v]) for v in nodes),
+        policy_looks=len(counted) + sum(v <= last for v in counted))
+
+
+def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lowering:
+    """The regions of `structure` that realise `kept` (forward nodes the backward should
+    find stored), and the schedule the runtime then executes."""
+    graph = rmap.graph
+    recompute: dict[int, list[int]] = {}
+    held: dict[int, int] = {}
+    regions = []
+    runtime_cost = 0.0
+    for call in structure:
+        rerun = rmap.rerun(call)
+        chosen = None if rerun is None else _region(rmap, rerun, kept)
+        if chosen is None:
+            continue
+        saved_ops, recomputed = chosen
+        if saved_ops:
+            runtime_cost += rerun.policy_looks * rmap.dispatch_seconds
+        runtime_cost += rerun.cost
+        recompute.setdefault(rerun.t, []).extend(recomputed)
+        for p in rerun.external:
+            held[p] = max(held.get(p, rerun.released), rerun.released)
+        for o in saved_ops:
+            held[o] = max(held.get(o, rerun.t + 1), min(rerun.t + 1, graph.n - 1))
+        keys = rmap.keys(call)
+        regions.append(Region(call[0], call[1], frozenset(keys[o] for o in saved_ops)))
+    return Lowering(tuple(regions), _schedule(graph, recompute, held), runtime_cost)
+
+
+def _region(rmap: RegionMap, rerun: Rerun, kept: np.ndarray) -> tuple[list[int], list[int]] | None:
+    """(ops saved, nodes recomputed) of a call checkpointed to realise `kept`, or None
+    when it runs plainly: `kept` stores every tensor of it the backward reads, nothing it
+    would recompute is read by the backward, or an output the backward reads after the
+    call cannot be saved (the rerun would make a second copy of a tensor still live)."""
+    facts = rmap.facts
+    if all(kept[v] for v in rerun.nodes if facts.backward_reads[v]):
+        return None
+    saved_ops = {int(facts.owner[v]) for v in rerun.nodes if v <= rerun.last and (kept[v] or v in rerun.read_after)}
+    saved_ops &= rerun.saveable
+    recomputed = [v for v in rerun.recomputable if int(facts.owner[v]) not in saved_ops]
     if not any(facts.backward_reads[v] for v in recomputed):
         return None
-    if any(facts.backward_reads[v] and facts.last_forward_read[v] > end for v in recomputed):
+    if any(v in rerun.read_after for v in recomputed):
         return None
-    t = min(s for v in nodes for s in facts.unpacks[v])
-    return t, last, sorted(saved_ops), recomputed
+    return sorted(saved_ops), recomputed
 
 
 def _saves_its_output(rmap: RegionMap, v: int) -> bool:

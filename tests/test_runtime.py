@@ -481,15 +481,16 @@ def test_the_backward_recomputes_exactly_what_the_plan_prices(name: str, budget:
 @pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny"])
 def test_a_native_plan_never_beats_its_proven_bound(name: str) -> None:
     """The bound holds for every plan the runtime can run, so no plan is cheaper than it,
-    OPTIMAL means the plan meets it, and progress reports it (on gpt-tiny the coarse
-    solver's own bound, 9.3%, lay above the region plan found, 5.8%)."""
+    OPTIMAL means the plan meets it, and progress reports bounds that only rise to it (on
+    gpt-tiny the coarse solver's own bound, 9.3%, lay above the region plan found, 5.8%)."""
     example = build(name)
     reports = []
     plan = optremat.plan(example.model, example.inputs, 0.9, loss_fn=example.loss_fn, time_limit=5,
                          progress=lambda *report: reports.append(report))
     assert plan.lower_bound is not None and 0 <= plan.lower_bound <= plan.predicted_overhead + 1e-9
-    assert (plan.status == "OPTIMAL") == (plan.predicted_overhead <= plan.lower_bound + 1e-9)
-    assert reports and all(bound == pytest.approx(plan.lower_bound) for _, _, bound in reports)
+    assert (plan.status == "OPTIMAL") == (plan.predicted_overhead <= plan.lower_bound + 1e-6)
+    bounds = [bound for _, _, bound in reports]
+    assert bounds and bounds == sorted(bounds) and bounds[-1] == pytest.approx(plan.lower_bound)
 
 
 @pytest.mark.parametrize("name,blocks", [("gpt-dropout", 3), ("convnet", 4)])

@@ -1,0 +1,158 @@
+"""CP-SAT over module-region plans (`region_model`): the least-cost plan of one structure
+under a budget, with the bound that proves it.
+
+Every event's bytes are a row of the model, but only a few ever bind, so rows are added
+as they are needed: solve with the rows so far, price the plan on the simulator, add the
+rows of the events that overflow, and solve again from that plan. The rows are exact, so
+a plan that fits on the simulator fits the model, and the solver's bound on the rows so
+far bounds every plan of the structure.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from optremat.ilp.region_model import Atom, Literal, RegionModel, Row
+from optremat.ilp.search import seconds_left
+from optremat.regions import Call, Priced, Region, RegionMap, price
+from optremat.schedule import InvalidSchedule
+
+SCALE = 1e9
+"""Integer units of cost per second (nanoseconds)."""
+ROWS_PER_ROUND = 16
+"""Overflowing events whose rows join the model per round, the largest first."""
+
+
+@dataclass(frozen=True, eq=False)
+class RegionSolution:
+    """The cheapest plan found that fits (None if none), the least cost any plan of the
+    structure can have (infinite when none fits, None when the time ran out before
+    anything was proven), and whether the plan was proven the cheapest."""
+
+    priced: Priced | None
+    bound: float | None
+    optimal: bool
+
+
+def solve_structure(rmap: RegionMap, structure: tuple[Call, ...], budget: int, time_limit: float, *,
+                    hint: tuple[Region, ...] = (), workers: int = 1, seed: int = 0) -> RegionSolution:
+    """The least-cost plan of `structure` whose simulated peak is at most `budget` bytes,
+    searched for `time_limit` seconds from the plan checkpointing `hint`."""
+    started = time.perf_counter()
+    model = RegionModel(rmap, structure)
+    cp = _Cp(model, budget)
+    values = model.values_of(hint)
+    best: Priced | None = None
+    while True:
+        cp.hint(values)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = seconds_left(time_limit, started)
+        solver.parameters.num_workers = workers
+        solver.parameters.random_seed = seed
+        status = solver.solve(cp.cp)
+        if status == cp_model.INFEASIBLE:
+            return RegionSolution(best, math.inf, False)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return RegionSolution(best, None, False)
+        values = {atom: bool(solver.value(var)) for atom, var in cp.var.items()}
+        try:
+            priced = price(rmap, structure, model.kept(values), "cpsat-regions")
+        except InvalidSchedule:
+            cp.forbid(values)
+            continue
+        curve = priced.result.curve
+        over = [e for e in sorted(range(len(curve)), key=lambda e: -curve[e]) if curve[e] > budget]
+        bound = cp.cost_of(solver.best_objective_bound)
+        if not over:
+            if best is None or priced.cost < best.cost:
+                best = priced
+            return RegionSolution(best, bound, status == cp_model.OPTIMAL)
+        schedule = priced.lowering.schedule
+        added = cp.add_rows(model.row(int(schedule.stage[e]), int(schedule.node[e])) for e in over[:ROWS_PER_ROUND])
+        if not added:
+            raise RuntimeError(f"the region model misses an event that overflows the budget on {structure}")
+        if time.perf_counter() - started >= time_limit:
+            return RegionSolution(best, bound, False)
+
+
+class _Cp:
+    """The CP-SAT model: the decisions, their links, the cost, and the rows added so far."""
+
+    def __init__(self, model: RegionModel, budget: int) -> None:
+        self.regions, self.budget = model, budget
+        self.cp = cp_model.CpModel()
+        self.var: dict[Atom, cp_model.IntVar] = {}
+        self.rows: set[tuple[int, int]] = set()
+        graph = model.graph
+        objective = []
+        for c in model.calls:
+            x = self._bool(("x", c.index))
+            policy = self.cp.new_bool_var(f"policy{c.index}")
+            objective.append(math.floor(c.rerun.cost * SCALE) * x)
+            objective.append(math.floor(c.rerun.policy_looks * model.rmap.dispatch_seconds * SCALE) * policy)
+            for o in model.saveable[c.index]:
+                s = self._bool(("s", o))
+                self.cp.add_implication(s, x)
+                self.cp.add_implication(s, policy)
+                if o in c.forced:
+                    self.cp.add(s == x)
+            cost: dict[int, float] = {}
+            for v in c.rerun.recomputable:
+                o = int(model.owner[v])
+                cost[o] = cost.get(o, 0.0) + float(graph.cost[v])
+            for o, seconds in cost.items():
+                r = self._bool(("r", o))
+                self.cp.add(r + self.var[("s", o)] == x if ("s", o) in self.var else r == x)
+                objective.append(math.floor(seconds * SCALE) * r)
+            self.cp.add(sum(self.var[("r", o)] for o in model.read_back(c)) >= x)
+        self.cp.minimize(sum(objective))
+
+    def _bool(self, atom: Atom) -> cp_model.IntVar:
+        self.var[atom] = self.cp.new_bool_var(f"{atom[0]}{atom[1]}")
+        return self.var[atom]
+
+    def _literal(self, literal: Literal):
+        var = self.var[literal[0]]
+        return var if literal[1] else var.Not()
+
+    def hint(self, values: dict[Atom, bool]) -> None:
+        self.cp.clear_hints()
+        for atom, var in self.var.items():
+            self.cp.add_hint(var, bool(values.get(atom, False)))
+
+    def forbid(self, values: dict[Atom, bool]) -> None:
+        """Exclude one plan (one the simulator cannot run)."""
+        self.cp.add_bool_or([var.Not() if values[atom] else var for atom, var in self.var.items()])
+
+    def add_rows(self, rows) -> int:
+        """Add the rows not in the model yet; how many were added."""
+        added = 0
+        for row in rows:
+            if (row.stage, row.node) in self.rows:
+                continue
+            self.rows.add((row.stage, row.node))
+            self._add(row)
+            added += 1
+        return added
+
+    def _add(self, row: Row) -> None:
+        terms = []
+        for size, ways in row.terms:
+            if len(ways) == 1 and len(ways[0]) == 1:
+                terms.append(size * self._literal(ways[0][0]))
+                continue
+            live = self.cp.new_bool_var("")
+            for way in ways:
+                self.cp.add_bool_or([self._literal((atom, not positive)) for atom, positive in way] + [live])
+            terms.append(size * live)
+        constraint = self.cp.add(sum(terms) <= self.budget - row.constant)
+        if row.when is not None:
+            constraint.only_enforce_if(self._literal(row.when))
+
+    def cost_of(self, objective: float) -> float:
+        """A plan's cost (seconds) from an objective value or bound of the model."""
+        return self.regions.graph.total_cost + objective / SCALE

@@ -1,0 +1,85 @@
+"""The exact model of module-region plans: every event's bytes as the simulator counts
+them, and CP-SAT over it returns the cheapest plan that fits (checked by enumerating
+every plan of small structures)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optremat
+from optremat.extract import trace
+from optremat.ilp.region_cpsat import solve_structure
+from optremat.ilp.region_model import RegionModel
+from optremat.models import build
+from optremat.native_plan import ROUNDING, region_map
+from optremat.regions import RegionMap, price
+
+MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny", "rnn-tiny", "unet-tiny")
+
+
+@functools.lru_cache(maxsize=None)
+def built_map(name: str) -> RegionMap:
+    example = build(name)
+    return region_map(trace(example.model, example.inputs, example.loss_fn), example.model, "cpu")
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(MODELS), data=st.data())
+def test_every_event_of_any_plan_weighs_what_the_simulator_counts(name: str, data: st.DataObject) -> None:
+    """Checkpoint any calls, save any ops: each event's row, evaluated on the plan, is the
+    simulator's memory at that event, and the plan lowers to exactly those calls."""
+    rmap = built_map(name)
+    structures = rmap.structures()
+    model = RegionModel(rmap, structures[data.draw(st.integers(0, len(structures) - 1))])
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    on = [c.index for c in model.calls if rng.random() < 0.7]
+    saved = [o for c in model.calls for o in model.saveable[c.index] if rng.random() < 0.3]
+    values = model.values(on, saved)
+    if not model.realisable(values):
+        values = model.values(on, [])
+    priced = price(rmap, model.structure, model.kept(values), "random")
+    assert {(r.path, r.call) for r in priced.lowering.regions} == {model.structure[i] for i in on}
+    schedule = priced.lowering.schedule
+    rows = [model.evaluate(model.row(int(s), int(v)), values) for s, v in zip(schedule.stage, schedule.node)]
+    assert rows == priced.result.curve.tolist()
+
+
+def every_plan(model: RegionModel):
+    """Every plan of the structure that lowers to the calls it checkpoints."""
+    optional = [(c.index, [o for o in model.saveable[c.index] if o not in c.forced]) for c in model.calls]
+    for on in itertools.product((False, True), repeat=len(optional)):
+        chosen = [(i, ops) for (i, ops), x in zip(optional, on) if x]
+        for saves in itertools.product(*[list(itertools.product((False, True), repeat=len(ops))) for _, ops in chosen]):
+            saved = [o for (_, ops), picks in zip(chosen, saves) for o, pick in zip(ops, picks) if pick]
+            values = model.values([i for i, _ in chosen], saved)
+            if model.realisable(values):
+                yield values
+
+
+@pytest.mark.parametrize("name,structure", [("mlp-tiny", 2), ("mlp-tiny", 3), ("gpt-tiny", 1), ("gpt-tiny", 4)])
+@pytest.mark.parametrize("quantile", [-1, 0.0, 0.2, 0.5, 0.8])
+def test_cpsat_finds_the_cheapest_plan_that_fits(name: str, structure: int, quantile: float) -> None:
+    """Against every plan of a small structure, at budgets from below the smallest peak
+    to above most: the plan returned is the cheapest that fits, proven so, and its bound
+    is no more than that cost; that none fits is proven."""
+    rmap = built_map(name)
+    model = RegionModel(rmap, rmap.structures()[structure])
+    plans = [price(rmap, model.structure, model.kept(values), "all") for values in every_plan(model)]
+    peaks = [p.result.peak_bytes for p in plans]
+    budget = min(peaks) - 1 if quantile < 0 else int(np.quantile(peaks, quantile))
+    fitting = [p.cost for p in plans if p.result.peak_bytes <= budget]
+    found = solve_structure(rmap, model.structure, budget, time_limit=60)
+    tolerance = ROUNDING * rmap.graph.total_cost
+    if not fitting:
+        assert found.priced is None and found.bound == math.inf
+        return
+    assert found.optimal and found.priced.result.peak_bytes <= budget
+    assert found.priced.cost == pytest.approx(min(fitting), abs=tolerance)
+    assert found.bound <= min(fitting) + tolerance
