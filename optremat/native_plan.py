@@ -1,9 +1,9 @@
 """Plans for the native runtime, which checkpoints module calls of the user's model.
 
-The traced step is seen as module calls (`region_map`); the solver's keep set, solved on
-the coarsened graph, is lowered to module regions and competes with region plans built
-for the budget (`solve_native`), every candidate priced on every op as the runtime runs
-it. Given regions are priced the same way at any input shape (`price_regions`, `reprice`).
+The traced step is seen as module calls (`region_map`); region plans built for the budget
+seed an exact search over the runtime's own decisions (`solve_native`), every candidate
+priced on every op as the runtime runs it. Given regions are priced the same way at any
+input shape (`price_regions`, `reprice`).
 """
 
 from __future__ import annotations
@@ -28,63 +28,76 @@ from optremat.plan import Plan, loss_note
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.schedule import keep_all, kept_for_backward, simulate
 from optremat.sharding import FSDP, Parallel, per_rank, unit_of
-from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress
+from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
 from optremat.solve import solve
 
 
 ROUNDING = 1e-6
 """Overhead by which a plan may exceed its bound and still be proven optimal: the exact
-search counts costs in whole nanoseconds per op."""
+search rounds each op's cost down to a 1e-10 part of the step's."""
 
 
 def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit: float,
                   workers: int, seed: int, deterministic: bool, progress: Progress | None,
                   started: float) -> Plan:
-    """The cheapest region plan that fits: the solver's keep set, solved on the coarsened
-    graph and lowered to module regions, and region plans built for the budget seed an
-    exact search over the regions of each structure (`solve_structure`), every candidate
-    priced on every op as the runtime runs it. The plan's bound is the least cost the
-    exact search proves for every structure, and never less than the memory bound of the
-    step's own graph: OPTIMAL when the plan meets it."""
+    """The cheapest region plan that fits: region plans built for the budget (and, when
+    `solver` names one, its keep set solved on the coarsened graph and lowered to module
+    regions) seed an exact search over the regions of each structure (`solve_structure`),
+    every candidate priced on every op as the runtime runs it. The plan's bound is the
+    least cost the exact search proves over every structure; where the time runs out
+    first, the memory bound of the step's own graph stands in. OPTIMAL when the plan
+    meets the bound."""
     graph = rmap.graph
-    coarse = coarsen(graph)
-    baseline = simulate(graph, keep_all(graph)).peak_bytes
     total = graph.total_cost
-    floor = solver_floor(graph, budget_bytes, time_limit, share=False)
-    solution, kept = None, None
-    try:
-        solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
-                         deterministic=deterministic,
-                         progress=None if progress is None else lambda at, cost, _: progress(at, cost, total + floor))
-        kept = np.zeros(graph.n, dtype=bool)
-        kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
-    except (InfeasibleBudget, TimeoutError):
-        pass
+    kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, time_limit, workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
-    seed_plan = min((c for c in candidates if c.result.peak_bytes <= budget_bytes), key=lambda c: c.cost, default=None)
+    fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
+    hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     structures = rmap.structures()
     bound = math.inf
     for structure in structures:
-        exact = solve_structure(rmap, structure, budget_bytes, time_limit / len(structures), workers=workers or 1,
-                                seed=seed, hint=() if seed_plan is None else seed_plan.lowering.regions)
+        exact = solve_structure(rmap, structure, budget_bytes, time_limit / len(structures), workers=workers,
+                                seed=seed, deterministic=deterministic, hint=hint)
         candidates += [exact.priced] if exact.priced is not None else []
         bound = min(bound, -math.inf if exact.bound is None else exact.bound)
+        if progress is not None:
+            progress(time.perf_counter() - started, min(c.cost for c in candidates), total)
+    if bound == -math.inf:
+        bound = total + solver_floor(graph, budget_bytes, time_limit, share=False)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting:
         raise InfeasibleBudget(budget_bytes, min(c.result.peak_bytes for c in candidates),
                                f"{solver} on the native runtime")
     best: Priced = min(fitting, key=lambda c: c.cost)
     if progress is not None:
-        progress(time.perf_counter() - started, best.cost, max(total + floor, bound))
-    result = best.result
-    solver_overhead = solution.cost / total - 1 if best.source == "solver" else best.overhead
-    lower_bound = max(floor / total, bound / total - 1)
-    proven = best.overhead <= lower_bound + ROUNDING
+        progress(time.perf_counter() - started, best.cost, bound)
+    coarse = best.source == "solver"
+    lower_bound = bound / total - 1
     return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
-                budget_bytes=budget_bytes, predicted_peak_bytes=result.peak_bytes, baseline_peak_bytes=baseline,
-                predicted_overhead=best.overhead, solver=solution.solver if best.source == "solver" else best.source,
-                status=OPTIMAL if proven else FEASIBLE, lower_bound=lower_bound,
-                solve_seconds=time.perf_counter() - started, solver_overhead=solver_overhead)
+                budget_bytes=budget_bytes, predicted_peak_bytes=best.result.peak_bytes,
+                baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
+                predicted_overhead=best.overhead, solver=coarse_solution.solver if coarse else best.source,
+                status=OPTIMAL if best.overhead <= lower_bound + ROUNDING else FEASIBLE, lower_bound=lower_bound,
+                solve_seconds=time.perf_counter() - started,
+                solver_overhead=coarse_solution.cost / total - 1 if coarse else best.overhead)
+
+
+def _coarse_kept(rmap: RegionMap, budget_bytes: int, solver: str, time_limit: float, workers: int, seed: int,
+                 deterministic: bool) -> tuple[np.ndarray | None, Solution | None]:
+    """The keep set `solver` finds on the coarsened graph (None for "auto", which leaves
+    the plan to the exact region search, or when the solver finds none) and its solution."""
+    if solver == "auto":
+        return None, None
+    graph = rmap.graph
+    coarse = coarsen(graph)
+    try:
+        solution = solve(coarse.coarse, budget_bytes, solver, time_limit=time_limit, workers=workers, seed=seed,
+                         deterministic=deterministic)
+    except (InfeasibleBudget, TimeoutError):
+        return None, None
+    kept = np.zeros(graph.n, dtype=bool)
+    kept[coarse.original[kept_for_backward(coarse.fine, coarse.expand(solution.schedule))]] = True
+    return kept, solution
 
 
 def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel | None = None) -> RegionMap:

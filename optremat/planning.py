@@ -1,7 +1,7 @@
 """`plan()`: from a model, example inputs and a budget to a Plan a runtime executes.
 
-The solvers plan on the coarsened graph. The runtime runs module calls of the user's
-model under checkpoint with selective policies, so plans are region plans
+The runtime runs module calls of the user's model under checkpoint with selective
+policies, so plans are region plans, solved exactly in those decisions
 (`optremat.native_plan`). Here: checking the request, tracing the step, resolving the
 budget and the plan cache.
 """
@@ -42,8 +42,11 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     module calls of the user's model under checkpoint with selective policies
     (`optremat.apply`); `loss_fn` folds the loss into what is planned, and without it the
     loss is priced as a cross-entropy over the output's last dimension
-    (`extract.assumed_loss`); `summary()` says which. `progress`, if given, is called as
-    the exact solver improves: (seconds, overhead, proven lower bound on the overhead).
+    (`extract.assumed_loss`); `summary()` says which. `solver` "auto" leaves the plan to
+    the exact search over module regions; another of `optremat.SOLVERS` also plans on
+    the coarsened graph, its keep set lowered to regions as one more seed. `progress`,
+    if given, is called as the search goes: (seconds, overhead, proven lower bound on
+    the overhead).
     `cache`, a directory, keeps plans across runs: a second call for the same model,
     shapes, budget and options loads the plan and runs no solver. `deterministic=True`
     gives the exact solver `time_limit` of deterministic time instead of seconds, so

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from optremat.graph import Graph
 from optremat.regions import Call, Region, RegionMap, Rerun
 
 Atom = tuple[str, int]
@@ -29,7 +30,8 @@ TRUE: Conjunction = ()
 
 @dataclass(frozen=True)
 class Checkpointable:
-    """A call of the structure some plan checkpoints: its position and how it reruns."""
+    """A call of the structure some plan checkpoints: its position, how it reruns, and
+    the ops its policy must save when it is checkpointed."""
 
     index: int
     call: Call
@@ -51,6 +53,7 @@ class Row:
 
 
 def holds(conjunction: Conjunction, values: Mapping[Atom, bool]) -> bool:
+    """Whether every literal of `conjunction` holds under `values`."""
     return all(values[atom] == positive for atom, positive in conjunction)
 
 
@@ -233,7 +236,7 @@ def _until_terms(model: RegionModel) -> list[list[tuple[int, Conjunction]]]:
             for found in terms]
 
 
-def _late_views(graph, recomputed_in: Mapping[int, Checkpointable]) -> dict[int, bool]:
+def _late_views(graph: Graph, recomputed_in: Mapping[int, Checkpointable]) -> dict[int, bool]:
     """Backward views that hold a rerun's copy when it is made: a view holds what its base
     holds when the view is made, so a backward view (or a view of it) whose forward base
     is recomputable, made at or after that base's rerun."""
@@ -248,7 +251,7 @@ def _late_views(graph, recomputed_in: Mapping[int, Checkpointable]) -> dict[int,
     return late
 
 
-def _instances(graph, owner: np.ndarray, recomputed_in: Mapping[int, Checkpointable]
+def _instances(graph: Graph, owner: np.ndarray, recomputed_in: Mapping[int, Checkpointable]
                ) -> list[tuple[int, bool, int, tuple[int, ...]]]:
     """Every storage instance some plan makes: (owner, whether the rerun's copy, bytes,
     the nodes holding it). An owner's units are separate instances; a part or a view of

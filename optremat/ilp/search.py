@@ -44,7 +44,7 @@ def presolve_for(model: IntervalModel, hinted: bool) -> str:
     return "light" if len(model.model.proto.variables) > LIGHT_PRESOLVE_VARIABLES else "full"
 
 
-def _parameters(solver: cp_model.CpSolver, time_limit: float, started: float, workers: int, seed: int,
+def configure(solver: cp_model.CpSolver, time_limit: float, started: float, workers: int, seed: int,
                 deterministic: bool, presolve: str = "full") -> None:
     """Deterministic runs get `time_limit` of deterministic time, so that they repeat;
     others get what is left of it since `started`."""
@@ -139,7 +139,7 @@ def search(model: IntervalModel, time_limit: float, started: float, offset: floa
     restart = 0
     while True:
         solver = cp_model.CpSolver()
-        _parameters(solver, time_limit, started, workers, seed + restart, deterministic, presolve)
+        configure(solver, time_limit, started, workers, seed + restart, deterministic, presolve)
         watch = _Watch(solver, stall, offset, bound, better if report else None)
         status = solver.solve(model.model, watch)
         watch.cancel()
