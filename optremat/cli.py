@@ -349,7 +349,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_source(plan, model_help)
     plan.add_argument("--budget", required=True,
                       help="bytes (123456789), a size (6GiB, 500MB) or a fraction of the unplanned peak (0.5)")
-    plan.add_argument("--solver", default="auto", choices=SOLVERS)
+    plan.add_argument("--solver", default="auto", choices=SOLVERS,
+                      help="auto: the exact search over module regions; another also plans the coarsened "
+                           "graph and seeds that search with its keep set (with --graph: the solver)")
     plan.add_argument("--time-limit", type=float, default=30.0, help="seconds for the exact solvers")
     plan.add_argument("--workers", type=int, default=0, help="solver threads (0: all cores)")
     plan.add_argument("--seed", type=int, default=0)

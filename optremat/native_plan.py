@@ -23,7 +23,7 @@ from optremat.costs import device_profile, model_device
 from optremat.extract import Traced, assumed_loss, trace
 from optremat.fingerprint import model_fingerprint
 from optremat.ilp.bounds import solver_floor
-from optremat.ilp.region_cpsat import solve_structure
+from optremat.ilp.region_cpsat import least_peak, solve_structure
 from optremat.plan import Plan, loss_note
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.schedule import keep_all, kept_for_backward, simulate
@@ -66,8 +66,7 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         bound = total + solver_floor(graph, budget_bytes, time_limit, share=False)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting:
-        raise InfeasibleBudget(budget_bytes, min(c.result.peak_bytes for c in candidates),
-                               f"{solver} on the native runtime")
+        raise _infeasible(rmap, budget_bytes, candidates, solver, time_limit, workers, seed, deterministic)
     best: Priced = min(fitting, key=lambda c: c.cost)
     if progress is not None:
         progress(time.perf_counter() - started, best.cost, bound)
@@ -80,6 +79,19 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
                 status=OPTIMAL if best.overhead <= lower_bound + ROUNDING else FEASIBLE, lower_bound=lower_bound,
                 solve_seconds=time.perf_counter() - started,
                 solver_overhead=coarse_solution.cost / total - 1 if coarse else best.overhead)
+
+
+def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], solver: str, time_limit: float,
+                workers: int, seed: int, deterministic: bool) -> InfeasibleBudget:
+    """The error for a budget no region plan fits, naming the least peak of any region
+    plan (proven when the search proves it for every structure)."""
+    structures = rmap.structures()
+    least = [least_peak(rmap, structure, time_limit / len(structures), workers=workers, seed=seed,
+                        deterministic=deterministic) for structure in structures]
+    smallest = min([c.result.peak_bytes for c in candidates] + [p.result.peak_bytes for p, _ in least])
+    proven = all(ok for _, ok in least) and smallest == min(p.result.peak_bytes for p, _ in least)
+    return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime", proven=proven,
+                            scope=" for plans of module regions")
 
 
 def _coarse_kept(rmap: RegionMap, budget_bytes: int, solver: str, time_limit: float, workers: int, seed: int,

@@ -139,7 +139,7 @@ def test_plan_model_bad_budgets_exit_2_with_one_line():
 def test_plan_model_infeasible_budget_exits_3_naming_the_smallest():
     result = run("plan", "--model", "resnet-tiny", "--budget", "0.3", "--time-limit", "5")
     assert result.returncode == 3, result.stderr
-    assert "smallest budget" in result.stderr and result.stderr.strip().count("\n") == 0
+    assert "smallest feasible budget" in result.stderr and result.stderr.strip().count("\n") == 0
 
 
 def test_plan_a_model_from_a_python_file(tmp_path):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import optremat
 from optremat.extract import trace
-from optremat.ilp.region_cpsat import solve_structure
+from optremat.ilp.region_cpsat import least_peak, solve_structure
 from optremat.ilp.region_model import RegionModel
 from optremat.models import build
 from optremat.native_plan import ROUNDING, region_map
@@ -83,3 +83,14 @@ def test_cpsat_finds_the_cheapest_plan_that_fits(name: str, structure: int, quan
     assert found.optimal and found.priced.result.peak_bytes <= budget
     assert found.priced.cost == pytest.approx(min(fitting), abs=tolerance)
     assert found.bound <= min(fitting) + tolerance
+
+
+@pytest.mark.parametrize("name,structure", [("mlp-tiny", 2), ("mlp-tiny", 3), ("gpt-tiny", 1), ("gpt-tiny", 4)])
+def test_least_peak_is_the_least_of_every_plan(name: str, structure: int) -> None:
+    """The plan CP-SAT returns for the least peak peaks at the least of every plan's peak."""
+    rmap = built_map(name)
+    model = RegionModel(rmap, rmap.structures()[structure])
+    least = min(price(rmap, model.structure, model.kept(values), "all").result.peak_bytes
+                for values in every_plan(model))
+    found, proven = least_peak(rmap, model.structure, time_limit=60)
+    assert proven and found.result.peak_bytes == least

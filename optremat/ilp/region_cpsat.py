@@ -1,5 +1,5 @@
 """CP-SAT over module-region plans (`region_model`): the least-cost plan of one structure
-under a budget, with the bound that proves it.
+under a budget, with the bound that proves it, and the plan with the least peak.
 
 Every event's bytes are a row of the model, but only a few ever bind, so rows are added
 as they are needed: solve with the rows so far, price the plan on the simulator, add the
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from optremat.graph import Graph
 from optremat.ilp.region_model import Atom, Literal, RegionModel, Row
 from optremat.ilp.search import configure
 from optremat.regions import Call, Priced, Region, RegionMap, price
@@ -51,48 +52,70 @@ def solve_structure(rmap: RegionMap, structure: tuple[Call, ...], budget: int, t
     the plan checkpointing `hint` (`workers` 0: `PORTFOLIO`). The LP relaxation of the
     rows' clauses is what proves bounds here: at linearization level 2 one worker proves
     the Llama at 80% in 0.7 s, at the default level it had no proof in 20 s."""
-    started = time.perf_counter()
     model = RegionModel(rmap, structure)
     cp = _Cp(model, budget)
-    values = model.values_of(hint)
-    best: Priced | None = None
+    status, solver, priced = _solve_lazily(cp, model.values_of(hint), time_limit, workers, seed, deterministic)
+    if status == cp_model.INFEASIBLE:
+        return RegionSolution(None, math.inf, False)
+    if priced is None:
+        return RegionSolution(None, None, False)
+    fits = priced.result.peak_bytes <= budget
+    return RegionSolution(priced if fits else None, cp.cost_of(solver.best_objective_bound),
+                          fits and status == cp_model.OPTIMAL)
+
+
+def least_peak(rmap: RegionMap, structure: tuple[Call, ...], time_limit: float, *, workers: int = 0,
+               seed: int = 0, deterministic: bool = False) -> tuple[Priced, bool]:
+    """The plan of `structure` with the least simulated peak found in `time_limit`, and
+    whether it is proven the least."""
+    model = RegionModel(rmap, structure)
+    cp = _Cp(model, None)
+    status, solver, priced = _solve_lazily(cp, model.values([], []), time_limit, workers, seed, deterministic)
+    if priced is None:
+        return price(rmap, structure, model.kept(model.values([], [])), "cpsat-regions"), False
+    return priced, status == cp_model.OPTIMAL and priced.result.peak_bytes <= solver.value(cp.peak)
+
+
+def _solve_lazily(cp: "_Cp", values: dict[Atom, bool], time_limit: float, workers: int, seed: int,
+                  deterministic: bool) -> tuple[int, cp_model.CpSolver | None, Priced | None]:
+    """Solve, price the plan, add the rows of the events over the model's limit, and solve
+    again from that plan, until a plan has no such event or the time runs out: the last
+    status, its solver, and its plan (None if the solver returned none)."""
+    started = time.perf_counter()
+    model, rmap = cp.regions, cp.regions.rmap
     while True:
         cp.hint(values)
         solver = cp_model.CpSolver()
         configure(solver, time_limit, started, workers or PORTFOLIO, seed, deterministic)
         solver.parameters.linearization_level = 2
         status = solver.solve(cp.cp)
-        if status == cp_model.INFEASIBLE:
-            return RegionSolution(best, math.inf, False)
+        if status == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"cpsat rejected the region model: {cp.cp.validate()}")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return RegionSolution(best, None, False)
+            return status, solver, None
         values = {atom: bool(solver.value(var)) for atom, var in cp.var.items()}
         try:
-            priced = price(rmap, structure, model.kept(values), "cpsat-regions")
+            priced = price(rmap, model.structure, model.kept(values), "cpsat-regions")
         except InvalidSchedule:
             cp.forbid(values)
             continue
-        curve = priced.result.curve
-        over = [e for e in sorted(range(len(curve)), key=lambda e: -curve[e]) if curve[e] > budget]
-        bound = cp.cost_of(solver.best_objective_bound)
-        if not over:
-            if best is None or priced.cost < best.cost:
-                best = priced
-            return RegionSolution(best, bound, status == cp_model.OPTIMAL)
+        curve, limit = priced.result.curve, cp.limit(solver)
+        over = [e for e in sorted(range(len(curve)), key=lambda e: -curve[e]) if curve[e] > limit]
+        if not over or time.perf_counter() - started >= time_limit:
+            return status, solver, priced
         schedule = priced.lowering.schedule
-        added = cp.add_rows(model.row(int(schedule.stage[e]), int(schedule.node[e])) for e in over[:ROWS_PER_ROUND])
-        if not added:
-            raise RuntimeError(f"the region model misses an event that overflows the budget on {structure}")
-        if time.perf_counter() - started >= time_limit:
-            return RegionSolution(best, bound, False)
+        if not cp.add_rows(model.row(int(schedule.stage[e]), int(schedule.node[e])) for e in over[:ROWS_PER_ROUND]):
+            raise RuntimeError(f"the region model misses an event over its limit on {model.structure}")
 
 
 class _Cp:
-    """The CP-SAT model: the decisions, their links, the cost, and the rows added so far."""
+    """The CP-SAT model: the decisions, their links, the rows added so far, and either the
+    cost under `budget` or, with no budget, the peak (`peak`) to minimise."""
 
-    def __init__(self, model: RegionModel, budget: int) -> None:
+    def __init__(self, model: RegionModel, budget: int | None) -> None:
         self.regions, self.budget = model, budget
         self.cp = cp_model.CpModel()
+        self.peak = None if budget is not None else self.cp.new_int_var(0, _most_bytes(model.graph), "peak")
         self.var: dict[Atom, cp_model.IntVar] = {}
         self.rows: set[tuple[int, int]] = set()
         graph = model.graph
@@ -118,7 +141,11 @@ class _Cp:
                 self.cp.add(r + self.var[("s", o)] == x if ("s", o) in self.var else r == x)
                 objective.append(math.floor(seconds * self.scale) * r)
             self.cp.add(sum(self.var[("r", o)] for o in model.read_back(c)) >= x)
-        self.cp.minimize(sum(objective))
+        self.cp.minimize(sum(objective) if self.peak is None else self.peak)
+
+    def limit(self, solver: cp_model.CpSolver) -> int:
+        """The bytes no event may exceed in the solver's plan."""
+        return self.budget if self.peak is None else solver.value(self.peak)
 
     def _bool(self, atom: Atom) -> cp_model.IntVar:
         self.var[atom] = self.cp.new_bool_var(f"{atom[0]}{atom[1]}")
@@ -158,10 +185,17 @@ class _Cp:
             for way in ways:
                 self.cp.add_bool_or([self._literal((atom, not positive)) for atom, positive in way] + [live])
             terms.append(size * live)
-        constraint = self.cp.add(sum(terms) <= self.budget - row.constant)
+        limit = self.budget if self.peak is None else self.peak
+        constraint = self.cp.add(sum(terms) + row.constant <= limit)
         if row.when is not None:
             constraint.only_enforce_if(self._literal(row.when))
 
     def cost_of(self, objective: float) -> float:
         """A plan's cost (seconds) from an objective value or bound of the model."""
         return self.regions.graph.total_cost + objective / self.scale
+
+
+def _most_bytes(graph: Graph) -> int:
+    """More bytes than any event of any plan holds: every storage twice (original and
+    copy), the largest workspace and held bytes."""
+    return int(2 * graph.unit_size.sum() + graph.workspace.max(initial=0) + graph.held.max(initial=0))
