@@ -169,6 +169,8 @@ class RegionModel:
         return ways
 
     def _original_live(self, h: int, stage: int, node: int) -> list[Conjunction]:
+        """Ways the forward's computation of h is live at the event: made by then, and its
+        `until` past the stage, or ending in it with a reader still to come."""
         if h > stage or (h == stage and node != stage):
             return []
         if h == stage:
@@ -178,6 +180,7 @@ class RegionModel:
         return ways
 
     def _copy_live(self, v: int, stage: int, node: int) -> list[Conjunction]:
+        """Ways the rerun's copy of v is live at the event (as `_original_live`)."""
         t = self.recomputed_in[v].rerun.t
         if t > stage or (t == stage and v > node):
             return []
@@ -194,6 +197,7 @@ def _not(literal: Literal) -> Literal:
 
 
 def _consistent(conjunction: Conjunction) -> bool:
+    """Whether no atom appears in `conjunction` both plain and negated."""
     seen: dict[Atom, bool] = {}
     for atom, positive in conjunction:
         if seen.setdefault(atom, positive) != positive:
