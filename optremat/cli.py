@@ -353,7 +353,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="auto: the exact search over module regions; another also plans the coarsened "
                            "graph and seeds that search with its keep set (with --graph: the solver)")
     plan.add_argument("--time-limit", type=float, default=30.0, help="seconds for the exact solvers")
-    plan.add_argument("--workers", type=int, default=0, help="solver threads (0: all cores)")
+    plan.add_argument("--workers", type=int, default=0,
+                      help="solver threads (0: all cores; eight for the search over module regions)")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--deterministic", action="store_true", help="reproducible solver runs")
     plan.add_argument("--progress", action="store_true", help="print each improving plan and bound to stderr")

@@ -23,7 +23,7 @@ from optremat.costs import device_profile, model_device
 from optremat.extract import Traced, assumed_loss, trace
 from optremat.fingerprint import model_fingerprint
 from optremat.ilp.bounds import solver_floor
-from optremat.ilp.region_cpsat import least_peak, solve_structure
+from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.plan import Plan, loss_note
 from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.schedule import keep_all, kept_for_backward, simulate
@@ -42,28 +42,23 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
                   started: float) -> Plan:
     """The cheapest region plan that fits: region plans built for the budget (and, when
     `solver` names one, its keep set solved on the coarsened graph and lowered to module
-    regions) seed an exact search over the regions of each structure (`solve_structure`),
-    every candidate priced on every op as the runtime runs it. The plan's bound is the
-    least cost the exact search proves over every structure; where the time runs out
-    first, the memory bound of the step's own graph stands in. OPTIMAL when the plan
-    meets the bound."""
+    regions) seed an exact search over every set of non-overlapping candidate regions
+    (`solve_regions`), every plan priced on every op as the runtime runs it. The plan's
+    bound is the least cost that search proves; where the time runs out first, the
+    memory bound of the step's own graph stands in. OPTIMAL when the plan meets it."""
     graph = rmap.graph
     total = graph.total_cost
     kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, time_limit, workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
-    structures = rmap.structures()
-    bound = math.inf
-    for structure in structures:
-        exact = solve_structure(rmap, structure, budget_bytes, time_limit / len(structures), workers=workers,
-                                seed=seed, deterministic=deterministic, hint=hint)
-        candidates += [exact.priced] if exact.priced is not None else []
-        bound = min(bound, -math.inf if exact.bound is None else exact.bound)
-        if progress is not None:
-            progress(time.perf_counter() - started, min(c.cost for c in candidates), total)
-    if bound == -math.inf:
-        bound = total + solver_floor(graph, budget_bytes, time_limit, share=False)
+    if progress is not None and fitting:
+        progress(time.perf_counter() - started, min(c.cost for c in fitting), total)
+    exact = solve_regions(rmap, rmap.candidates(), budget_bytes, time_limit, workers=workers, seed=seed,
+                          deterministic=deterministic, hint=hint)
+    candidates += [exact.priced] if exact.priced is not None else []
+    bound = exact.bound if exact.bound is not None else total + solver_floor(graph, budget_bytes, time_limit,
+                                                                            share=False)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting:
         raise _infeasible(rmap, budget_bytes, candidates, solver, time_limit, workers, seed, deterministic)
@@ -84,13 +79,12 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
 def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], solver: str, time_limit: float,
                 workers: int, seed: int, deterministic: bool) -> InfeasibleBudget:
     """The error for a budget no region plan fits, naming the least peak of any region
-    plan (proven when the search proves it for every structure)."""
-    structures = rmap.structures()
-    least = [least_peak(rmap, structure, time_limit / len(structures), workers=workers, seed=seed,
-                        deterministic=deterministic) for structure in structures]
-    smallest = min([c.result.peak_bytes for c in candidates] + [p.result.peak_bytes for p, _ in least])
-    proven = all(ok for _, ok in least) and smallest == min(p.result.peak_bytes for p, _ in least)
-    return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime", proven=proven,
+    plan (proven when the search ends)."""
+    least, proven = least_peak(rmap, rmap.candidates(), time_limit, workers=workers, seed=seed,
+                               deterministic=deterministic)
+    smallest = min([c.result.peak_bytes for c in candidates] + [least.result.peak_bytes])
+    return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime",
+                            proven=proven and smallest == least.result.peak_bytes,
                             scope=" for plans of module regions")
 
 

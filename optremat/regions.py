@@ -154,6 +154,10 @@ class RegionMap:
             found.append(tuple(sorted(by_length[length], key=lambda c: int(self.members[c][0]))))
         return found
 
+    def candidates(self) -> tuple[Call, ...]:
+        """Every call and span some structure holds, once: the regions a plan picks from."""
+        return tuple(dict.fromkeys(call for structure in self.structures() for call in structure))
+
     def _within_a_unit(self, call: Call) -> bool:
         return self.unit is None or len(set(self.unit[self.members[call]].tolist())) == 1
 

@@ -78,7 +78,7 @@ def test_corrupted_entry_is_reported_and_solved_again(tmp_path, monkeypatch) -> 
 def test_unproven_plan_is_reused_only_without_more_time(tmp_path, monkeypatch) -> None:
     """A plan whose search ran out of time before proving anything (as on a large model)
     is reused by calls allowing no more time, and planned again by one allowing more."""
-    monkeypatch.setattr(native_plan, "solve_structure", lambda *args, **kwargs: RegionSolution(None, None, False))
+    monkeypatch.setattr(native_plan, "solve_regions", lambda *args, **kwargs: RegionSolution(None, None, False))
     model, inputs, loss_fn = build()
     first = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, solver="greedy", time_limit=2, cache=tmp_path)
     assert first.status != "OPTIMAL"

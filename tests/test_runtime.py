@@ -327,7 +327,7 @@ def test_every_built_in_model_at_its_tightest_plan(name: str) -> None:
 
 def test_hooks_fire_once_per_forward_and_remove_restores_the_model() -> None:
     model, inputs, loss_fn = gpt_dropout()
-    plan = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5)
+    plan = optremat.price_regions(model, inputs, [Region("blocks.0", 0)], loss_fn=loss_fn)
     region = model.get_submodule(plan.regions[0].path)
     inner = next(iter(region.children()))
     forward = region.forward

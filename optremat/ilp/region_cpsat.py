@@ -1,11 +1,11 @@
-"""CP-SAT over module-region plans (`region_model`): the least-cost plan of one structure
-under a budget, with the bound that proves it, and the plan with the least peak.
+"""CP-SAT over module-region plans (`region_model`): the least-cost plan over candidate
+calls under a budget, with the bound that proves it, and the plan with the least peak.
 
 Every event's bytes are a row of the model, but only a few ever bind, so rows are added
 as they are needed: solve with the rows so far, price the plan on the simulator, add the
 rows of the events that overflow, and solve again from that plan. The rows are exact, so
 a plan that fits on the simulator fits the model, and the solver's bound on the rows so
-far bounds every plan of the structure.
+far bounds every plan over the candidates.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from ortools.sat.python import cp_model
 
@@ -27,7 +28,7 @@ SCALE = 1e10
 one in 1e10 of the step, so a bound is off by at most the number of ops in 1e10."""
 PORTFOLIO = 8
 """CP-SAT workers unless told otherwise, whatever the cores: on the Llama at 70% and 80%
-(2 cores) eight workers prove every structure in under 0.5 s, one in under 3.4 s, and
+(2 cores, one structure's calls at a time) eight workers prove each in under 0.5 s, one in under 3.4 s, and
 two (one per core) none within 20 s."""
 ROWS_PER_ROUND = 16
 """Overflowing events whose rows join the model per round, the largest first."""
@@ -35,8 +36,8 @@ ROWS_PER_ROUND = 16
 
 @dataclass(frozen=True, eq=False)
 class RegionSolution:
-    """The cheapest plan found that fits (None if none), the least cost any plan of the
-    structure can have (infinite when none fits, None when the time ran out before
+    """The cheapest plan found that fits (None if none), the least cost any plan over the
+    candidates can have (infinite when none fits, None when the time ran out before
     anything was proven), and whether the plan was proven the cheapest."""
 
     priced: Priced | None
@@ -44,15 +45,15 @@ class RegionSolution:
     optimal: bool
 
 
-def solve_structure(rmap: RegionMap, structure: tuple[Call, ...], budget: int, time_limit: float, *,
+def solve_regions(rmap: RegionMap, candidates: Sequence[Call], budget: int, time_limit: float, *,
                     hint: tuple[Region, ...] = (), workers: int = 0, seed: int = 0,
                     deterministic: bool = False) -> RegionSolution:
-    """The least-cost plan of `structure` whose simulated peak is at most `budget` bytes,
+    """The least-cost plan over `candidates` whose simulated peak is at most `budget` bytes,
     searched for `time_limit` seconds (of deterministic time with `deterministic`) from
     the plan checkpointing `hint` (`workers` 0: `PORTFOLIO`). The LP relaxation of the
     rows' clauses is what proves bounds here: at linearization level 2 one worker proves
     the Llama at 80% in 0.7 s, at the default level it had no proof in 20 s."""
-    model = RegionModel(rmap, structure)
+    model = RegionModel(rmap, candidates)
     cp = _Cp(model, budget)
     status, solver, priced = _solve_lazily(cp, model.values_of(hint), time_limit, workers, seed, deterministic)
     if status == cp_model.INFEASIBLE:
@@ -64,15 +65,15 @@ def solve_structure(rmap: RegionMap, structure: tuple[Call, ...], budget: int, t
                           fits and status == cp_model.OPTIMAL)
 
 
-def least_peak(rmap: RegionMap, structure: tuple[Call, ...], time_limit: float, *, workers: int = 0,
+def least_peak(rmap: RegionMap, candidates: Sequence[Call], time_limit: float, *, workers: int = 0,
                seed: int = 0, deterministic: bool = False) -> tuple[Priced, bool]:
-    """The plan of `structure` with the least simulated peak found in `time_limit`, and
-    whether it is proven the least."""
-    model = RegionModel(rmap, structure)
+    """The plan over `candidates` with the least simulated peak found in `time_limit`,
+    and whether it is proven the least."""
+    model = RegionModel(rmap, candidates)
     cp = _Cp(model, None)
     status, solver, priced = _solve_lazily(cp, model.values([], []), time_limit, workers, seed, deterministic)
     if priced is None:
-        return price(rmap, structure, model.kept(model.values([], [])), "cpsat-regions"), False
+        return price(rmap, (), model.kept(model.values([], [])), "cpsat-regions"), False
     return priced, status == cp_model.OPTIMAL and priced.result.peak_bytes <= solver.value(cp.peak)
 
 
@@ -95,7 +96,7 @@ def _solve_lazily(cp: "_Cp", values: dict[Atom, bool], time_limit: float, worker
             return status, solver, None
         values = {atom: bool(solver.value(var)) for atom, var in cp.var.items()}
         try:
-            priced = price(rmap, model.structure, model.kept(values), "cpsat-regions")
+            priced = price(rmap, model.chosen(values), model.kept(values), "cpsat-regions")
         except InvalidSchedule:
             cp.forbid(values)
             continue
@@ -104,7 +105,8 @@ def _solve_lazily(cp: "_Cp", values: dict[Atom, bool], time_limit: float, worker
         if not over or time.perf_counter() - started >= time_limit:
             return status, solver, priced
         schedule = priced.lowering.schedule
-        if not cp.add_rows(model.row(int(schedule.stage[e]), int(schedule.node[e])) for e in over[:ROWS_PER_ROUND]):
+        events = [(int(schedule.stage[e]), int(schedule.node[e])) for e in over[:ROWS_PER_ROUND]]
+        if not cp.add_rows(model.row(s, v, model.call_of(s, v, values)) for s, v in events):
             raise RuntimeError(f"the region model misses an event over its limit on {model.structure}")
 
 
@@ -117,17 +119,17 @@ class _Cp:
         self.cp = cp_model.CpModel()
         self.peak = None if budget is not None else self.cp.new_int_var(0, _most_bytes(model.graph), "peak")
         self.var: dict[Atom, cp_model.IntVar] = {}
-        self.rows: set[tuple[int, int]] = set()
+        self.rows: set[tuple[int, int, int]] = set()
         graph = model.graph
         self.scale = SCALE / max(graph.total_cost, 1e-12)
         objective = []
         for c in model.calls:
-            x = self._bool(("x", c.index))
+            x = self._bool(model.x(c.index))
             policy = self.cp.new_bool_var(f"policy{c.index}")
             objective.append(math.floor(c.rerun.cost * self.scale) * x)
             objective.append(math.floor(c.rerun.policy_looks * model.rmap.dispatch_seconds * self.scale) * policy)
             for o in model.saveable[c.index]:
-                s = self._bool(("s", o))
+                s = self._bool(model.s(o, c.index))
                 self.cp.add_implication(s, x)
                 self.cp.add_implication(s, policy)
                 if o in c.forced:
@@ -137,18 +139,22 @@ class _Cp:
                 o = int(model.owner[v])
                 cost[o] = cost.get(o, 0.0) + float(graph.cost[v])
             for o, seconds in cost.items():
-                r = self._bool(("r", o))
-                self.cp.add(r + self.var[("s", o)] == x if ("s", o) in self.var else r == x)
+                r = self._bool(model.r(o, c.index))
+                saved = self.var.get(model.s(o, c.index)[0])
+                self.cp.add(r == x if saved is None else r + saved == x)
                 objective.append(math.floor(seconds * self.scale) * r)
-            self.cp.add(sum(self.var[("r", o)] for o in model.read_back(c)) >= x)
+            self.cp.add(sum(self.var[model.r(o, c.index)[0]] for o in model.read_back(c)) >= x)
+        for group in model.shared:
+            self.cp.add_at_most_one(self.var[model.x(i)[0]] for i in group)
         self.cp.minimize(sum(objective) if self.peak is None else self.peak)
 
     def limit(self, solver: cp_model.CpSolver) -> int:
         """The bytes no event may exceed in the solver's plan."""
         return self.budget if self.peak is None else solver.value(self.peak)
 
-    def _bool(self, atom: Atom) -> cp_model.IntVar:
-        self.var[atom] = self.cp.new_bool_var(f"{atom[0]}{atom[1]}")
+    def _bool(self, literal: Literal) -> cp_model.IntVar:
+        atom = literal[0]
+        self.var[atom] = self.cp.new_bool_var("_".join(map(str, atom)))
         return self.var[atom]
 
     def _literal(self, literal: Literal):
@@ -168,9 +174,9 @@ class _Cp:
         """Add the rows not in the model yet; how many were added."""
         added = 0
         for row in rows:
-            if (row.stage, row.node) in self.rows:
+            if (row.stage, row.node, row.call) in self.rows:
                 continue
-            self.rows.add((row.stage, row.node))
+            self.rows.add((row.stage, row.node, row.call))
             self._add(row)
             added += 1
         return added
