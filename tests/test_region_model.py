@@ -92,7 +92,7 @@ def test_cpsat_finds_the_cheapest_plan_that_fits(name: str, structures: tuple[in
     peaks = [p.result.peak_bytes for p in plans]
     budget = min(peaks) - 1 if quantile < 0 else int(np.quantile(peaks, quantile))
     fitting = [p.cost for p in plans if p.result.peak_bytes <= budget]
-    found = solve_regions(rmap, model.structure, budget, time_limit=60)
+    found = solve_regions(rmap, model.structure, budget, time_limit=60, deterministic=True)
     tolerance = ROUNDING * rmap.graph.total_cost
     if not fitting:
         assert found.priced is None and found.bound == math.inf
@@ -109,5 +109,5 @@ def test_least_peak_is_the_least_of_every_plan(name: str, structures: tuple[int,
     model = RegionModel(rmap, candidates(rmap, structures))
     least = min(price(rmap, model.chosen(values), model.kept(values), "all").result.peak_bytes
                 for values in every_plan(model))
-    found, proven = least_peak(rmap, model.structure, time_limit=60)
+    found, proven = least_peak(rmap, model.structure, time_limit=60, deterministic=True)
     assert proven and found.result.peak_bytes == least

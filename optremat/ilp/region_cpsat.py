@@ -28,8 +28,8 @@ SCALE = 1e10
 one in 1e10 of the step, so a bound is off by at most the number of ops in 1e10."""
 PORTFOLIO = 8
 """CP-SAT workers unless told otherwise, whatever the cores: on the Llama at 70% and 80%
-(2 cores, one structure's calls at a time) eight workers prove each in under 0.5 s, one in under 3.4 s, and
-two (one per core) none within 20 s."""
+(2 cores, searching one depth of its module tree at a time) eight workers proved each in
+under 0.5 s, one in under 3.4 s, and two (one per core) none within 20 s."""
 ROWS_PER_ROUND = 16
 """Overflowing events whose rows join the model per round, the largest first."""
 
