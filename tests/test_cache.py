@@ -59,6 +59,8 @@ def test_another_budget_or_solver_is_another_entry(tmp_path) -> None:
 
 
 def test_corrupted_entry_is_reported_and_solved_again(tmp_path, monkeypatch) -> None:
+    """A corrupted entry warns and is planned again, as cheaply (the parallel search may
+    return another plan of the same cost)."""
     model, inputs, loss_fn = build()
     first = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5, cache=tmp_path)
     (entry,) = tmp_path.glob("*.plan.json")
@@ -66,7 +68,7 @@ def test_corrupted_entry_is_reported_and_solved_again(tmp_path, monkeypatch) -> 
     entry.write_text(text[: len(text) // 2])
     with pytest.warns(UserWarning, match="corrupted"):
         again = optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5, cache=tmp_path)
-    assert not again.cached and again.predicted_peak_bytes == first.predicted_peak_bytes
+    assert not again.cached and again.predicted_overhead == pytest.approx(first.predicted_overhead, abs=1e-6)
     body = json.loads(entry.read_text())
     body["plan"]["predicted_peak_bytes"] += 1
     entry.write_text(json.dumps(body))
