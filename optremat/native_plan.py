@@ -8,7 +8,6 @@ input shape (`price_regions`, `reprice`).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence

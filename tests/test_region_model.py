@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import optremat
 from optremat.extract import trace
 from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.region_model import RegionModel
