@@ -182,15 +182,11 @@ class RegionMap:
     def facts(self) -> "_Facts":
         return _Facts.of(self.graph, self.grad_of)
 
-    def rerun(self, call: Call) -> "Rerun | None":
-        """How `call` reruns under checkpoint (`rerun_of`), None if it cannot be checkpointed."""
-        if call not in self._reruns:
-            self._reruns[call] = rerun_of(self, call)
-        return self._reruns[call]
-
     @cached_property
-    def _reruns(self) -> dict[Call, "Rerun | None"]:
-        return {}
+    def reruns(self) -> dict[Call, "Rerun | None"]:
+        """How each call and span reruns under checkpoint (`rerun_of`), None for those that
+        cannot be checkpointed."""
+        return {call: rerun_of(self, call) for call in self.members}
 
 
 @dataclass(frozen=True, eq=False)
@@ -309,7 +305,7 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     regions = []
     runtime_cost = 0.0
     for call in structure:
-        rerun = rmap.rerun(call)
+        rerun = rmap.reruns.get(call)
         chosen = None if rerun is None else _region(rmap, rerun, kept)
         if chosen is None:
             continue

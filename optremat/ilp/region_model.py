@@ -322,7 +322,7 @@ def _instances(graph: Graph, owner: np.ndarray, recomputed_in: Mapping[int, list
 def _checkpointable(rmap: RegionMap, index: int, call: Call) -> Checkpointable | None:
     """The call, if some plan checkpoints it: one that can be, where every output read
     after it can be saved and some tensor the backward reads can be recomputed."""
-    rerun, owner, reads = rmap.rerun(call), rmap.facts.owner, rmap.facts.backward_reads
+    rerun, owner, reads = rmap.reruns.get(call), rmap.facts.owner, rmap.facts.backward_reads
     if rerun is None:
         return None
     recomputable = set(rerun.recomputable)
