@@ -12,9 +12,11 @@ compiled peak. Every configuration gets a fresh backend callable, so dynamo neve
 another configuration's graph. Each optremat row checks loss and gradients against
 eager (float32, allclose 1e-5). Step times are measured in one process over `rounds`
 rounds after one uncounted warm-up round; in each round the configurations run in a
-shuffled order, each right after a step of the unplanned compiled step, and the overhead
-is the median of the per-round ratios. "optremat / torch" is the median of the per-round
-ratios of the optremat row's step time to the PyTorch row whose peak it was given.
+shuffled order, each right after a step of the unplanned compiled step (an optremat row
+and the PyTorch row whose peak it was given run back to back, in a random order), and
+the overhead is the median of the per-round ratios. "optremat / torch" is the median of
+the per-round ratios of the optremat row's step time to its PyTorch row's, with the
+number of rounds in which optremat's step was the faster.
 optremat's planner prices PyTorch's own min-cut partitions of the same joint graph
 (`activation_memory_budget` 0 to 1 by 0.1) as it runs them and lets them compete; "PyTorch's
 cheapest within budget, priced" is the cheapest of those that fits the row's budget, with
@@ -126,27 +128,34 @@ def _cheapest_rival(plans: list[optremat.Plan]) -> str:
 
 def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], rounds: int) -> None:
     """Median per-round overheads against the unplanned compiled step, and optremat's
-    per-round ratio to the PyTorch configuration whose peak it was given."""
+    per-round ratio to the PyTorch configuration whose peak it was given. Each round runs
+    its units in a shuffled order, each unit right after a step of the unplanned compiled
+    step: a configuration alone, or an optremat row and its PyTorch peer back to back in a
+    random order, so that the ratio compares steps run moments apart."""
     runs = {key: run for key, (run, _) in methods.items() if run is not None}
+    paired = {key: key.removeprefix("= ") for key in runs if key.startswith("= ") and key.removeprefix("= ") in runs}
+    units = [[key, peer] for key, peer in paired.items()]
+    units += [[key] for key in runs if key not in paired and key not in paired.values()]
     order = random.Random(0)
     seconds: dict[str, list[float]] = {key: [] for key in runs}
     baseline: dict[str, list[float]] = {key: [] for key in runs}
     for round_ in range(rounds + 1):
-        keys = list(runs)
-        order.shuffle(keys)
-        for key in keys:
-            base, mine = _seconds(runs["unplanned"], "cpu"), _seconds(runs[key], "cpu")
-            if round_:
-                baseline[key].append(base)
-                seconds[key].append(mine)
+        order.shuffle(units)
+        for unit in units:
+            base = _seconds(runs["unplanned"], "cpu")
+            for key in order.sample(unit, len(unit)):
+                mine = _seconds(runs[key], "cpu")
+                if round_:
+                    baseline[key].append(base)
+                    seconds[key].append(mine)
     for key in runs:
         fields = methods[key][1]
         fields["measured overhead (median)"] = (
             f"{statistics.median(m / b for m, b in zip(seconds[key], baseline[key])) - 1:+.1%}")
-        peer = key.removeprefix("= ")
-        if key.startswith("= ") and peer in runs:
-            ratio = statistics.median(m / p for m, p in zip(seconds[key], seconds[peer]))
-            fields["optremat / torch (median)"] = f"{ratio:.3f}"
+        if key in paired:
+            ratios = [m / p for m, p in zip(seconds[key], seconds[paired[key]])]
+            fields["optremat / torch (median)"] = (f"{statistics.median(ratios):.3f} "
+                                                   f"({sum(r < 1 for r in ratios)}/{len(ratios)} faster)")
 
 
 KNAPSACK_HEADER = ["model", "activation_memory_budget", "items", "optremat saved", "optremat recompute",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -126,10 +127,11 @@ class Partitioner(CustomPartitionerFn):
         at it always finds that plan."""
         started = time.perf_counter()
         graph = self._ordered(step)
-        solved = self._solved(step, graph, budget_bytes, started)
-        others = [] if self.solver != "auto" else [
-            self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
-            for fraction, kept in rivals(graph).items()]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # PyTorch's partitioner runs in Python while CP-SAT searches in C++ without the GIL
+            competing = pool.submit(self._rivals, step, graph, rivals) if self.solver == "auto" else None
+            solved = self._solved(step, graph, budget_bytes, started)
+            others = [] if competing is None else competing.result()
         fitting = [c for c in [solved, *others] if c is not None and c.predicted_peak_bytes <= budget_bytes]
         if fitting:
             best = min(fitting, key=lambda c: c.predicted_overhead)
@@ -142,6 +144,11 @@ class Partitioner(CustomPartitionerFn):
                 raise InfeasibleBudget(budget_bytes, best.predicted_peak_bytes, f"{self.solver} in a compiled step")
         return replace(best, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started,
                        compared=tuple((c.solver, c.predicted_peak_bytes, c.predicted_overhead) for c in others))
+
+    def _rivals(self, step: JointStep, graph: Graph, rivals: Rivals) -> list[Plan]:
+        """PyTorch's own partitions of the graph (`rivals`), each priced as compiled."""
+        return [self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
+                for fraction, kept in rivals(graph).items()]
 
     def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float) -> Plan | None:
         """optremat's own plan, priced as compiled; when that peaks over the budget, solved
