@@ -117,12 +117,14 @@ class _Watch(cp_model.CpSolverSolutionCallback):
 
 
 def search(model: IntervalModel, time_limit: float, started: float, offset: float, *, workers: int,
-            seed: int, deterministic: bool, presolve: str,
+            seed: int, deterministic: bool, presolve: str, tolerance: float = 0.0,
             report: Callable[[float, float, float], None] | None = None) -> tuple[int, cp_model.CpSolver, float]:
     """Solves `model` within `time_limit` since `started`, restarting a stalled search
     from its best plan with the next seed (not in deterministic mode, whose runs repeat,
     nor on graphs of over RESTART_NODES nodes); `offset` is what the gap is relative to,
-    besides the objective, in objective units.
+    besides the objective, in objective units. A plan within `tolerance` (objective
+    units) of the bound counts as optimal, so that CP-SAT does not spend the rest of its
+    limit on differences the objective cannot resolve.
 
     Returns the status, the solver holding the best plan and the best objective bound
     any round proved; `report` gets (elapsed seconds, objective, bound) per better plan.
@@ -140,6 +142,7 @@ def search(model: IntervalModel, time_limit: float, started: float, offset: floa
     while True:
         solver = cp_model.CpSolver()
         configure(solver, time_limit, started, workers, seed + restart, deterministic, presolve)
+        solver.parameters.absolute_gap_limit = max(solver.parameters.absolute_gap_limit, tolerance)
         watch = _Watch(solver, stall, offset, bound, better if report else None)
         status = solver.solve(model.model, watch)
         watch.cancel()
