@@ -48,18 +48,6 @@ class Coarsened:
         out[src[self.group[src] != self.group[dst]]] = True
         return out
 
-    def kept(self, kept: np.ndarray) -> np.ndarray:
-        """The coarse nodes a keep set over the coarsened graph's nodes (`original`
-        numbering) keeps: those whose storages the backward reads are all held (kept,
-        through any view of them, or resident)."""
-        fine = self.fine
-        held = np.zeros(fine.n, dtype=bool)
-        np.logical_or.at(held, fine.storage_root, np.asarray(kept, dtype=bool)[self.original] | fine.pinned | fine.output)
-        needed = np.nonzero(_read_back(fine))[0]
-        whole = np.ones(self.coarse.n, dtype=bool)
-        np.logical_and.at(whole, self.group[needed], held[needed])
-        return whole
-
     def expand(self, schedule: Schedule) -> Schedule:
         """The fine schedule that runs `schedule` (on the coarse graph) op by op."""
         fine, bounds, group, escapes = self.fine, self.bounds, self.group, self.escapes
@@ -79,12 +67,9 @@ class Coarsened:
         return Schedule.from_events(events, fine.n)
 
 
-def coarsen(graph: Graph, *, by_module: bool = False, saved_apart: bool = False) -> Coarsened:
-    """Group `graph`'s nodes; see the module docstring for the rules. With `saved_apart`,
-    a forward pointwise op stays out of the group of an input the backward reads, so that
-    a plan may keep that input and recompute the op (a matmul's output kept, the
-    activation after it recomputed, as PyTorch's min-cut partitions do)."""
-    group = _assign_groups(graph, by_module, saved_apart)
+def coarsen(graph: Graph, *, by_module: bool = False) -> Coarsened:
+    """Group `graph`'s nodes; see the module docstring for the rules."""
+    group = _assign_groups(graph, by_module)
     leaders = sorted(set(group.tolist()))
     rank = {leader: r for r, leader in enumerate(leaders)}
     coarse_of = np.array([rank[g] for g in group.tolist()], dtype=np.int64)
@@ -96,33 +81,22 @@ def coarsen(graph: Graph, *, by_module: bool = False, saved_apart: bool = False)
     return Coarsened(fine=fine, coarse=_contract(fine, fine_group), group=fine_group, original=original)
 
 
-def _assign_groups(graph: Graph, by_module: bool, saved_apart: bool) -> np.ndarray:
+def _assign_groups(graph: Graph, by_module: bool) -> np.ndarray:
     """group[i] = the lowest node index of i's group."""
     n = graph.n
     group = np.arange(n)
-    read_back = _read_back(graph)[graph.storage_root] if saved_apart else np.zeros(n, dtype=bool)
     for v in range(n):
         if graph.pinned[v]:
             group[v] = 0
             continue
         preds = graph.preds[v].tolist()
-        view = graph.alias_of[v] >= 0 and graph.size[v] == 0
-        apart = not view and not graph.backward[v] and any(read_back[p] for p in preds)
-        target = None if apart else _fusion_target(graph, group, v, preds)
+        target = _fusion_target(graph, group, v, preds)
         if target is None and by_module and v > 0 and graph.module[v] and graph.module[v] == graph.module[v - 1]:
             target = _joinable(graph, group, v, preds, int(group[v - 1]))
         if target is not None:
             group[v] = target
     _split_short_parts(graph, group)
     return group
-
-
-def _read_back(graph: Graph) -> np.ndarray:
-    """The forward storages (by their owning node) the backward reads, itself or through a view."""
-    src, dst = graph.edges[:, 0], graph.edges[:, 1]
-    read = np.zeros(graph.n, dtype=bool)
-    read[graph.storage_root[src[graph.backward[dst] & ~graph.backward[src]]]] = True
-    return read
 
 
 def _split_short_parts(graph: Graph, group: np.ndarray) -> None:

@@ -28,8 +28,7 @@ SLACK = 0.005
 
 def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_limit: float = 30.0, workers: int = 0,
               seed: int = 0, deterministic: bool = False, progress: Progress | None = None,
-              started: float | None = None, share: bool = True,
-              hint_kept: np.ndarray | None = None) -> Plan:
+              started: float | None = None, share: bool = True) -> Plan:
     """A plan that runs on every op of `graph` as scheduled (each op computed where the
     schedule puts it, any number of times), solved on the coarsened graph and expanded
     to every op, each tensor kept only until the last read it serves.
@@ -42,12 +41,9 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
     solver finds no plan (or none in time), the best heuristic plan within the budget,
     or else at the smallest budget the solver names (or the heuristics reach), is the
     last try. `share` prices ops writing over inputs they are the last to read, as
-    compiled graphs run them. `hint_kept`, a keep set over `graph`'s nodes (another planner's
-    choice), hints the solver wherever no plan of its own that fits does, when cheaper
-    than the heuristics' plan."""
+    compiled graphs run them."""
     started = time.perf_counter() if started is None else started
-    coarse = coarsen(graph, saved_apart=True)
-    hinted = None if hint_kept is None else from_kept(coarse.coarse, coarse.kept(hint_kept), reuse=True)
+    coarse = coarsen(graph)
     target, deadline, smallest, best = budget_bytes, started + time_limit, None, None
     fits_at, fails_at = None, None
     for _ in range(ATTEMPTS):
@@ -56,7 +52,7 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
         try:
             solution = solve(coarse.coarse, target, solver, time_limit=remaining, workers=workers, seed=seed,
                              deterministic=deterministic, progress=progress,
-                             hint=hinted if best is None or target < budget_bytes else best[0].schedule)
+                             hint=None if best is None or target < budget_bytes else best[0].schedule)
         except (InfeasibleBudget, TimeoutError) as error:
             solution, least = ((None, error.smallest) if isinstance(error, InfeasibleBudget)
                                else best_heuristic(coarse.coarse, target))
@@ -90,7 +86,7 @@ def least_plan(graph: Graph, *, share: bool = True) -> Plan:
     op: it exists whatever the budget and is found the same way every time, so the peak
     it reaches is a smallest budget that planning again at it always meets."""
     started = time.perf_counter()
-    coarse = coarsen(graph, saved_apart=True)
+    coarse = coarsen(graph)
     budget = best_heuristic(coarse.coarse, 0)[1] or 0
     for _ in range(ATTEMPTS):
         solution, reached = best_heuristic(coarse.coarse, budget)

@@ -127,14 +127,12 @@ def _cpsat(graph: Graph, budget: int, options: Options) -> Solution:
 
 
 def _auto(graph: Graph, budget_bytes: int, options: Options) -> Solution:
-    """CP-SAT hinted with the cheaper of the given hint and the best heuristic plan (a
-    hint over budget only when no heuristic plan fits), never worse than that plan."""
+    """CP-SAT hinted with the best heuristic plan, never worse than that plan."""
     started = time.perf_counter()
     seed_plan, heuristic_smallest = best_heuristic(graph, budget_bytes)
     hint, copies = options.hint, options.copies
-    if seed_plan is not None and (hint is None or _dearer(graph, hint, seed_plan.cost, budget_bytes, options.share)):
+    if seed_plan is not None and hint is None:
         hint = seed_plan.schedule
-    if hint is not None:
         copies = max(copies, min(int(np.bincount(hint.node).max()), MAX_COPIES))
     remaining = max(options.time_limit - (time.perf_counter() - started), 0.0)
 
@@ -161,12 +159,6 @@ def _auto(graph: Graph, budget_bytes: int, options: Options) -> Solution:
     if seed_plan is not None and seed_plan.cost < exact.cost:
         return fallback(exact.lower_bound if np.bincount(seed_plan.schedule.node).max() <= copies else None)
     return replace(exact, solver="auto", seconds=time.perf_counter() - started)
-
-
-def _dearer(graph: Graph, hint: Schedule, cost: float, budget_bytes: int, share: bool) -> bool:
-    """Whether `hint` peaks over the budget or costs more than `cost`."""
-    result = simulate(graph, hint, share=share)
-    return result.peak_bytes > budget_bytes or result.cost > cost
 
 
 PLANNERS: dict[str, Planner] = {

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optremat import Graph, extract, from_kept, keep_all, recompute_all, simulate
+from optremat import extract, from_kept, keep_all, recompute_all, simulate
 from optremat.coarsen import coarsen
 from optremat.models import build
 from tests.dags import graphs
@@ -15,9 +15,9 @@ def model_graph(request):
     return extract(example.model, example.inputs, example.loss_fn)
 
 
-@pytest.mark.parametrize("by_module,saved_apart", [(False, False), (True, False), (False, True)])
-def test_coarse_plans_map_back_to_every_op(model_graph, by_module, saved_apart):
-    c = coarsen(model_graph, by_module=by_module, saved_apart=saved_apart)
+@pytest.mark.parametrize("by_module", [False, True])
+def test_coarse_plans_map_back_to_every_op(model_graph, by_module):
+    c = coarsen(model_graph, by_module=by_module)
     assert c.coarse.n < model_graph.n / 1.5
     assert sorted(c.original.tolist()) == list(range(model_graph.n))
     assert c.coarse.total_cost == pytest.approx(model_graph.total_cost)
@@ -39,45 +39,6 @@ def test_views_fold_into_their_producer(model_graph):
             assert c.group[i] != c.group[base], "a backward view must not run with the resident group"
         elif fine.fusible[i] and not fine.output[i] and len(fine.preds[i]) == 1:
             assert c.group[i] == c.group[base]
-
-
-def read_by_backward(g: Graph) -> np.ndarray:
-    """The forward storages (by owning node) that a backward node reads, itself or through a view."""
-    read = np.zeros(g.n, dtype=bool)
-    for src, dst in g.edges.tolist():
-        if g.backward[dst] and not g.backward[src]:
-            read[g.storage_root[src]] = True
-    return read
-
-
-def test_saved_apart_leaves_each_forward_op_out_of_the_groups_of_inputs_the_backward_reads(model_graph):
-    """So that a plan may keep a matmul's output and recompute the activation reading it."""
-    c = coarsen(model_graph, saved_apart=True)
-    fine = c.fine
-    read = read_by_backward(fine)
-    apart = [(p, v) for v in range(fine.n) if not fine.backward[v] and not fine.pinned[v]
-             and not (fine.alias_of[v] >= 0 and fine.size[v] == 0)
-             for p in fine.preds[v].tolist() if read[fine.storage_root[p]] and not fine.pinned[p]]
-    assert apart
-    assert all(c.group[p] != c.group[v] for p, v in apart)
-    assert c.coarse.n >= coarsen(model_graph).coarse.n
-
-
-@pytest.mark.parametrize("saved_apart", [False, True])
-def test_a_keep_set_maps_to_the_groups_whose_read_storages_it_all_holds(model_graph, saved_apart):
-    c = coarsen(model_graph, saved_apart=saved_apart)
-    fine = c.fine
-    read = read_by_backward(fine)
-    everything = np.ones(model_graph.n, dtype=bool)
-    assert c.kept(everything).all()
-    assert not any(s != i for i, s, _ in c.expand(from_kept(c.coarse, c.kept(everything), reuse=True)).events)
-    held = fine.pinned | fine.output
-    held_roots = np.zeros(fine.n, dtype=bool)
-    held_roots[fine.storage_root[held]] = True
-    dropped = c.kept(np.zeros(model_graph.n, dtype=bool))
-    for g in range(c.coarse.n):
-        members = np.arange(c.bounds[g], c.bounds[g + 1])
-        assert dropped[g] == bool((held_roots[members] | ~read[members]).all()), g
 
 
 def test_nothing_that_reads_the_output_gradient_runs_before_the_forward_ends():

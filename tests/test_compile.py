@@ -314,21 +314,11 @@ def test_inductor_runs_a_plan_within_its_budget_and_predicted_peak(fraction: flo
 
 
 @pytest.mark.parametrize("cost_model", ["roofline", "profile"])
-def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak(cost_model: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak(cost_model: str) -> None:
     """With solver "auto", PyTorch's own min-cut partitions of the graph compete, priced as
     optremat's partitioner runs them: given the measured peak of PyTorch's partition at
     activation_memory_budget 0.5, the plan is predicted no dearer than any of them that
-    fits, and runs within its prediction with eager's gradients. The cheapest that fits
-    hints the solver with what it keeps."""
-    hints = []
-    solve_step = backend_module.plan_step
-
-    def recording(graph, budget, **kwargs):
-        hints.append(kwargs["hint_kept"])
-        return solve_step(graph, budget, **kwargs)
-
-    monkeypatch.setattr(backend_module, "plan_step", recording)
+    fits, and runs within its prediction with eager's gradients."""
     example = gpt()
     model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
     expected = step(model, inputs, loss_fn)
@@ -345,7 +335,6 @@ def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak(cost_model
     fitting = [overhead for _, peak, overhead in plan.compared if peak <= torch_peak]
     assert len(plan.compared) >= 2 and fitting
     assert plan.predicted_overhead <= min(fitting) + 1e-12
-    assert hints and all(h is not None and 0 < h.sum() < len(h) for h in hints)
     assert peak_of(model, compiled, inputs, loss_fn) <= plan.predicted_peak_bytes * 1.02 <= torch_peak * 1.02
     assert "compared with" in plan.summary()
     assert optremat.Plan.from_json(plan.to_json()).compared == plan.compared

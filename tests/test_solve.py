@@ -1,11 +1,10 @@
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optremat import Graph, InfeasibleBudget, from_kept, keep_all, resolve_budget, simulate, solve
+from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
 from optremat import published
 from optremat.solve import HEURISTICS, best_heuristic
 from optremat.synthetic import random_training_graph
@@ -44,25 +43,6 @@ def test_a_limit_the_heuristics_use_up_still_returns_a_plan_no_worse_than_theirs
     assert simulate(g, auto.schedule).peak_bytes <= budget
     assert auto.cost <= seed.cost + 1e-9
     assert auto.lower_bound <= auto.cost + 1e-9
-
-
-@settings(max_examples=40, deadline=None)
-@given(graphs(max_nodes=8, shared_storage=False), st.floats(0.3, 1.0), st.data())
-def test_auto_is_never_worse_than_a_hint_that_fits(g, fraction, data):
-    """A plan another planner chose (here a random keep set) hints CP-SAT when it beats
-    the heuristics' plan; `auto` returns it or a better one."""
-    budget = max(1, int(simulate(g, keep_all(g)).peak_bytes * fraction))
-    kept = np.array(data.draw(st.lists(st.booleans(), min_size=g.n, max_size=g.n)))
-    hint = from_kept(g, kept, reuse=True)
-    given_plan = simulate(g, hint)
-    try:
-        found = solve(g, budget, "auto", time_limit=10, workers=1, deterministic=True, hint=hint)
-    except InfeasibleBudget:
-        assert given_plan.peak_bytes > budget
-        return
-    assert simulate(g, found.schedule).peak_bytes <= budget
-    if given_plan.peak_bytes <= budget:
-        assert found.cost <= given_plan.cost + 1e-9
 
 
 def test_a_budget_the_unplanned_step_meets_needs_no_recomputation():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -126,11 +127,11 @@ class Partitioner(CustomPartitionerFn):
         at it always finds that plan."""
         started = time.perf_counter()
         graph = self._ordered(step)
-        others = self._rivals(step, graph, rivals) if self.solver == "auto" else []
-        seed = min((c for c in others if c.predicted_peak_bytes <= budget_bytes), default=None,
-                   key=lambda c: c.predicted_overhead)
-        solved = self._solved(step, graph, budget_bytes, started,
-                              None if seed is None else kept_for_backward(graph, seed.schedule))
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # PyTorch's partitioner runs in Python while CP-SAT searches in C++ without the GIL
+            competing = pool.submit(self._rivals, step, graph, rivals) if self.solver == "auto" else None
+            solved = self._solved(step, graph, budget_bytes, started)
+            others = [] if competing is None else competing.result()
         fitting = [c for c in [solved, *others] if c is not None and c.predicted_peak_bytes <= budget_bytes]
         if fitting:
             best = min(fitting, key=lambda c: c.predicted_overhead)
@@ -149,17 +150,15 @@ class Partitioner(CustomPartitionerFn):
         return [self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
                 for fraction, kept in rivals(graph).items()]
 
-    def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float,
-                hint_kept: np.ndarray | None) -> Plan | None:
-        """optremat's own plan, priced as compiled, the solver hinted with the keep set
-        `hint_kept` (`plan_step`); when that peaks over the budget, solved again with the budget
-        reduced by the excess. None when no solve fits."""
+    def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float) -> Plan | None:
+        """optremat's own plan, priced as compiled; when that peaks over the budget, solved
+        again with the budget reduced by the excess. None when no solve fits."""
         target = budget_bytes
         for _ in range(ATTEMPTS):
             try:
                 found = plan_step(graph, target, solver=self.solver, time_limit=self.time_limit,
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,
-                                  started=started, share=self.share, hint_kept=hint_kept)
+                                  started=started, share=self.share)
             except InfeasibleBudget:
                 return None
             compiled = self._as_compiled(step, found)
