@@ -1,3 +1,4 @@
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,7 @@ from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
 from optremat import published
+from optremat.ilp.interval import IntervalModel
 from optremat.solve import HEURISTICS, best_heuristic
 from optremat.synthetic import random_training_graph
 from tests.bruteforce import optimum
@@ -43,6 +45,23 @@ def test_a_limit_the_heuristics_use_up_still_returns_a_plan_no_worse_than_theirs
     assert simulate(g, auto.schedule).peak_bytes <= budget
     assert auto.cost <= seed.cost + 1e-9
     assert auto.lower_bound <= auto.cost + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(graphs(max_nodes=8, shared_storage=False), st.floats(0.3, 1.0))
+def test_with_fractional_costs_optimal_means_optimal_to_the_objective_rounding(g, fraction):
+    """Costs CP-SAT must round to integers: a plan it calls optimal costs no more than the
+    optimum plus what that rounding can hide (`IntervalModel.rounding`), and its bound holds."""
+    g = replace(g, cost=g.cost / 7)
+    budget = max(1, int(simulate(g, keep_all(g)).peak_bytes * fraction))
+    best = optimum(g, budget)
+    if best is None:
+        return
+    solution = solve(g, budget, "cpsat", time_limit=10, workers=1, copies=g.n, deterministic=True)
+    assert solution.lower_bound <= best[0] + 1e-9
+    if solution.status == "OPTIMAL":
+        model = IntervalModel(g, g.n, budget)
+        assert best[0] - 1e-9 <= solution.cost <= best[0] + model.rounding / model.scale + 1e-9
 
 
 def test_a_budget_the_unplanned_step_meets_needs_no_recomputation():
