@@ -26,7 +26,8 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
 
     A plan within the integer objective's rounding of the proven bound is optimal: on
     gpt-mini's step graph CP-SAT reached its bound to 1.3e-6 of the step's cost in 5 s,
-    then spent the other 25 s of its limit on that rounding.
+    then spent the other 25 s of its limit on that rounding. The bound returned is the
+    proven one less that rounding, so that it holds for the plans' real costs.
 
     Raises InfeasibleBudget when the model proves no schedule fits (with the smallest
     feasible budget, found by `min_peak_cpsat`), or TimeoutError when the time limit
@@ -58,7 +59,7 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
     schedule = model.schedule(solver)
     shared = model.shared(solver, schedule)
     cost = simulate(graph, schedule, share=frozenset(shared)).cost
-    bound, optimal = graph.total_cost + proven / model.scale, status == cp_model.OPTIMAL
+    bound, optimal = graph.total_cost + (proven - model.rounding) / model.scale, status == cp_model.OPTIMAL
     if not share:
         bound, optimal = tighten(graph, cost, bound, optimal, extra)
     return Solution(schedule=schedule, solver="cpsat", status=OPTIMAL if optimal else FEASIBLE, cost=cost,

@@ -77,17 +77,17 @@ class IntervalModel:
     def integer_floor(self, extra: float) -> int:
         """The largest value of the integer objective that no plan costing at least
         `extra` beyond one computation of every node can go below: each optional copy may
-        be priced below its cost by rounding (`rounding`)."""
+        be priced below its cost by rounding, by `rounding` in all."""
         return max(int(np.floor(extra * self.scale * (1 - 1e-9) - self.rounding)), 0)
 
     @property
     def rounding(self) -> float:
-        """How far below its cost the integer objective may price a plan: the sum, over
-        the optional copies, of what rounding takes off each (0 when costs are integers).
-        Plans closer than this in the objective are not told apart by it."""
+        """How far from its cost the integer objective may price a plan, either way: the
+        sum, over the optional copies, of what rounding moves each by (0 when costs are
+        integers). Plans closer than this in the objective are not told apart by it."""
         scaled = self.graph.cost * self.scale
-        rounded_down = np.maximum(scaled - np.round(scaled), 0.0)
-        return sum(float(rounded_down[v]) * (len(c) - 1) for v, c in enumerate(self.copies))
+        moved = np.abs(scaled - np.round(scaled))
+        return sum(float(moved[v]) * (len(c) - 1) for v, c in enumerate(self.copies))
 
     def _add_copies(self, copies: int) -> None:
         g, m, n, H = self.graph, self.model, self.graph.n, self.horizon
