@@ -45,7 +45,7 @@ def presolve_for(model: IntervalModel, hinted: bool) -> str:
 
 
 def configure(solver: cp_model.CpSolver, time_limit: float, started: float, workers: int, seed: int,
-                deterministic: bool, presolve: str = "full") -> None:
+              deterministic: bool, presolve: str = "full") -> None:
     """Deterministic runs get `time_limit` of deterministic time, so that they repeat;
     others get what is left of it since `started`."""
     params = solver.parameters
