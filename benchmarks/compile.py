@@ -119,7 +119,8 @@ def _cheapest_rival(plans: list[optremat.Plan]) -> str:
     """The cheapest of PyTorch's partitions that competed for the first graph's plan and
     fit its budget, as optremat priced it ("-" when none fit)."""
     plan = plans[0]
-    fitting = [(overhead, name) for name, peak, overhead in plan.compared if peak <= plan.budget_bytes]
+    fitting = [(overhead, name) for name, peak, overhead in plan.compared
+               if peak <= plan.budget_bytes and name.startswith("PyTorch")]
     if not fitting:
         return "-"
     overhead, name = min(fitting)

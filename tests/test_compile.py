@@ -21,6 +21,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 import optremat
 from optremat.budget import InfeasibleBudget
 from optremat.compiler import backend as backend_module
+from optremat.compiler import known
 from optremat.compiler.joint import read_joint
 from optremat.compiler.knapsack import KnapsackSolver, runtime_estimate, solve_knapsack
 from optremat.compiler.partition import partition, writable
@@ -35,8 +36,9 @@ from tests.test_runtime import deep_mlp, train_step
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> None:
-    """Each test compiles from scratch: no graph of another test's backend is reused."""
+    """Each test compiles from scratch: no graph or plan of another test's is reused."""
     torch._dynamo.reset()
+    known.forget()
 
 
 def step(model: torch.nn.Module, inputs: tuple, loss_fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -367,6 +369,29 @@ def test_a_failing_pytorch_partitioner_leaves_the_plan_to_optremat(monkeypatch: 
         got = step(torch.compile(example.model, backend=backend, dynamic=False), example.inputs, example.loss_fn)
     assert_same_step(expected, got)
     assert backend.plans[0].compared == ()
+
+
+def test_a_plan_found_at_one_budget_competes_at_the_others() -> None:
+    """A graph compiled again at a larger budget, or at the peak of a plan found before,
+    never gets a dearer plan than the one found at the smaller budget, which competes
+    under its name; deterministic compiles do not depend on earlier ones."""
+    example = gpt()
+    model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
+
+    def compiled(budget: float | int, **options) -> optremat.Plan:
+        torch._dynamo.reset()
+        backend = optremat.compile_backend(budget, inner="aot_eager", time_limit=2, loss_fn=loss_fn, **options)
+        step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn)
+        return backend.plans[0]
+
+    first = compiled(0.6)
+    larger = compiled(0.7)
+    assert any(name.endswith(f"(planned for {optremat.graph.format_bytes(first.budget_bytes)})")
+               for name, _, _ in larger.compared)
+    assert larger.predicted_overhead <= first.predicted_overhead
+    again = compiled(first.predicted_peak_bytes)
+    assert again.predicted_overhead <= first.predicted_overhead
+    assert not any("planned for" in name for name, _, _ in compiled(0.7, deterministic=True).compared)
 
 
 def test_later_steps_do_not_compile_again() -> None:

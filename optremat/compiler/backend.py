@@ -28,12 +28,13 @@ from optremat.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.cache import PlanCache
 from optremat.compiler.inductor import inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
+from optremat.compiler.known import known, remember
 from optremat.compiler.partition import partition, writable
 from optremat.compiler.torch_partitions import RIVALS, Rivals, torch_keep_sets
 from optremat.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
 from optremat.extract import depending_on
 from optremat.fingerprint import package_version
-from optremat.graph import Graph
+from optremat.graph import Graph, format_bytes
 from optremat.op_plan import ATTEMPTS, kept_plan, least_plan, plan_step
 from optremat.order import best_order, sunk_views
 from optremat.plan import Plan
@@ -103,28 +104,34 @@ class Partitioner(CustomPartitionerFn):
         budget, else solved."""
         graph = step.graph
         budget_bytes = resolve_budget(graph, self.budget)
+        prices = dict(graph=graph.fingerprint, solver=self.solver, device=profile, runtime="compiled",
+                      share=self.share, inline=self.inline, order=self.order, cost_model=self.cost_model,
+                      rivals=RIVALS, version=package_version())
+        book = (PlanCache.key(costs=hashlib.sha256(graph.cost.tobytes()).hexdigest(), **prices)
+                if self.solver == "auto" and not self.deterministic else None)
         if self.cache is None:
-            return self._solve(step, budget_bytes, rivals)
+            return self._solve(step, budget_bytes, rivals, book)
         store = PlanCache(self.cache)
-        key = store.key(graph=graph.fingerprint, budget=budget_bytes, solver=self.solver, seed=self.seed,
-                        deterministic=self.deterministic, device=profile, runtime="compiled", share=self.share,
-                        inline=self.inline, order=self.order, cost_model=self.cost_model, rivals=RIVALS,
-                        version=package_version())
+        key = store.key(budget=budget_bytes, seed=self.seed, deterministic=self.deterministic, **prices)
         with store.locked(key):
             hit = store.get(key, self.time_limit, Plan.from_json)
             if hit is not None:
+                if book is not None:
+                    remember(book, hit)
                 return replace(hit, cached=True)
-            found = self._solve(step, budget_bytes, rivals)
+            found = self._solve(step, budget_bytes, rivals, book)
             store.put(key, found.to_json(), self.time_limit)
             return found
 
-    def _solve(self, step: JointStep, budget_bytes: int, rivals: Rivals) -> Plan:
+    def _solve(self, step: JointStep, budget_bytes: int, rivals: Rivals, book: str | None) -> Plan:
         """The solver's plan priced as compiled (`_solved`). With solver "auto", the
-        cheapest plan that fits wins among it and PyTorch's own partitions of the graph
-        (`rivals`, each priced as compiled), with recomputed tensors kept again while it
-        fits (`_filled`). When none fits, the least-peak plan of the heuristics' and the
-        rivals' is the last try, and its peak the smallest budget named: compiling again
-        at it always finds that plan."""
+        cheapest plan that fits wins among it, PyTorch's own partitions of the graph
+        (`rivals`, each priced as compiled) and the plans found for the same graph at
+        other budgets in this process (`known`, under the key `book`; none when
+        `deterministic`, whose plans must not depend on what was compiled before), with
+        recomputed tensors kept again while it fits (`_filled`). When none fits, the
+        least-peak plan of the heuristics' and those others' is the last try, and its peak
+        the smallest budget named: compiling again at it always finds that plan."""
         started = time.perf_counter()
         graph = self._ordered(step)
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -132,6 +139,7 @@ class Partitioner(CustomPartitionerFn):
             competing = pool.submit(self._rivals, step, graph, rivals) if self.solver == "auto" else None
             solved = self._solved(step, graph, budget_bytes, started)
             others = [] if competing is None else competing.result()
+        others += [] if book is None else [_found_before(plan, budget_bytes) for plan in known(book)]
         fitting = [c for c in [solved, *others] if c is not None and c.predicted_peak_bytes <= budget_bytes]
         if fitting:
             best = min(fitting, key=lambda c: c.predicted_overhead)
@@ -142,8 +150,11 @@ class Partitioner(CustomPartitionerFn):
                        key=lambda c: c.predicted_peak_bytes)
             if best.predicted_peak_bytes > budget_bytes:
                 raise InfeasibleBudget(budget_bytes, best.predicted_peak_bytes, f"{self.solver} in a compiled step")
-        return replace(best, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started,
+        best = replace(best, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started,
                        compared=tuple((c.solver, c.predicted_peak_bytes, c.predicted_overhead) for c in others))
+        if book is not None:
+            remember(book, best)
+        return best
 
     def _rivals(self, step: JointStep, graph: Graph, rivals: Rivals) -> list[Plan]:
         """PyTorch's own partitions of the graph (`rivals`), each priced as compiled."""
@@ -226,6 +237,14 @@ class Partitioner(CustomPartitionerFn):
         can = writable(step, graph)
         return frozenset(e for e, _ in simulate(graph, schedule, share=True).shared.items()
                          if can[schedule.node[e]])
+
+
+def _found_before(plan: Plan, budget_bytes: int) -> Plan:
+    """A plan found for the same graph at another budget, as a candidate at `budget_bytes`:
+    named for the budget it was planned for, optimal only if that budget was larger."""
+    source = plan.solver.split(" (planned for ")[0]
+    return replace(plan, solver=f"{source} (planned for {format_bytes(plan.budget_bytes)})",
+                   status=FEASIBLE if plan.status == OPTIMAL and plan.budget_bytes < budget_bytes else plan.status)
 
 
 class Backend:
