@@ -300,7 +300,9 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     "roofline" (ops priced from FLOPs and bytes over `device`'s profile) or "profile"
     (each op of the joint graph timed on this machine as the graph is planned, on random
     tensors of its shapes). With `solver="auto"`, PyTorch's own min-cut partitions of the
-    graph compete (`plan.compared`). A budget no plan meets raises InfeasibleBudget (wrapped by dynamo) naming the smallest budget found.
+    graph compete (`plan.compared`), and so do the plans found for the same graph at other
+    budgets in this process (not with `deterministic`). A budget no plan meets raises
+    InfeasibleBudget (wrapped by dynamo) naming the smallest budget found.
     Create one backend per configuration: dynamo reuses compiled graphs per backend object.
     """
     if inner not in INNER:
