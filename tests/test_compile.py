@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -27,8 +28,10 @@ from optremat.compiler.knapsack import KnapsackSolver, runtime_estimate, solve_k
 from optremat.compiler.partition import partition, writable
 from optremat.costs import device_profile
 from optremat.models import GPT, CrossEntropy, build
+from optremat.op_plan import kept_plan
 from optremat.runtime.measure import measure_peak
 from optremat.schedule import from_kept, keep_all, recompute_all, simulate
+from optremat.synthetic import training_chain
 from tests.test_runtime import MODELS as RUNTIME_MODELS
 from tests.test_runtime import assert_same_step as assert_same_eager_step
 from tests.test_runtime import deep_mlp, train_step
@@ -393,6 +396,26 @@ def test_a_plan_found_at_one_budget_competes_at_the_others() -> None:
     again = compiled(first.predicted_peak_bytes)
     assert again.predicted_overhead <= first.predicted_overhead
     assert not any("planned for" in name for name, _, _ in compiled(0.7, deterministic=True).compared)
+
+
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=12))
+def test_known_plans_are_the_frontier_of_those_remembered(points: list[tuple[int, int]]) -> None:
+    """After any sequence of plans remembered under one key, the plans known are those no
+    other beats on both peak and overhead: none beats another, and each remembered plan
+    is matched or beaten by a known one."""
+    known.forget()
+    graph = training_chain([1.0] * 3, [1] * 3)
+    template = kept_plan(graph, np.zeros(graph.n, dtype=bool), "test")
+    remembered = [replace(template, predicted_peak_bytes=peak, predicted_overhead=overhead / 10)
+                  for peak, overhead in points]
+    for plan in remembered:
+        known.remember("key", plan)
+    frontier = [(p.predicted_peak_bytes, p.predicted_overhead) for p in known.known("key")]
+    assert known.known("other") == []
+    assert frontier == sorted(frontier)
+    assert all(not (a[0] <= b[0] and a[1] <= b[1]) for a, b in itertools.permutations(frontier, 2))
+    assert all(any(f[0] <= p.predicted_peak_bytes and f[1] <= p.predicted_overhead for f in frontier)
+               for p in remembered)
 
 
 def test_later_steps_do_not_compile_again() -> None:
