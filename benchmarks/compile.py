@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -119,12 +120,12 @@ def _cheapest_rival(plans: list[optremat.Plan]) -> str:
     """The cheapest of PyTorch's partitions that competed for the first graph's plan and
     fit its budget, as optremat priced it ("-" when none fit)."""
     plan = plans[0]
-    fitting = [(overhead, name) for name, peak, overhead in plan.compared
-               if peak <= plan.budget_bytes and name.startswith("PyTorch")]
+    fitting = [(overhead, match[1]) for name, peak, overhead in plan.compared
+               if peak <= plan.budget_bytes and (match := re.fullmatch(r"PyTorch min-cut at ([0-9.]+)", name))]
     if not fitting:
         return "-"
-    overhead, name = min(fitting)
-    return f"{name.removeprefix('PyTorch min-cut at ')}: {overhead:+.1%}"
+    overhead, fraction = min(fitting)
+    return f"{fraction}: {overhead:+.1%}"
 
 
 def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], rounds: int) -> None:
