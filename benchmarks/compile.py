@@ -1,4 +1,5 @@
-"""optremat as torch.compile's partitioner, against PyTorch's own memory budget.
+"""optremat as torch.compile's partitioner, against PyTorch's own memory budget; writes the table
+and a plot per inner compiler (compile_<inner>.png beside it).
 
     python -m benchmarks.compile [--models gpt-mini,resnet-mini,llama] [--inner aot_eager,inductor]
                                  [--rounds 9] [--limit 20] [--cost-model roofline|profile]
@@ -35,7 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -45,6 +46,7 @@ from benchmarks.report import table, write_rows
 from optremat.bench import torch_budget_backend
 from optremat.costs import COST_MODELS
 from optremat.graph import format_bytes
+from optremat.plots import plot_lines
 from optremat.runtime.measure import measure_peak
 
 HEADER = ["model", "inner", "method", "budget", "predicted peak", "measured peak", "measured / budget",
@@ -221,8 +223,38 @@ def main() -> None:
     head = ["# optremat as torch.compile's partitioner", "",
             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
             __doc__.split("\n\n", 2)[2].strip(), ""]
-    write_rows(Path(args.out), head, HEADER, (rows(name, inner, args.rounds, args.limit, args.cost_model)
-                                              for inner in args.inner.split(",") for name in args.models.split(",")))
+    out, done = Path(args.out), []
+
+    def batches() -> Iterator[list[list[str]]]:
+        for inner in args.inner.split(","):
+            for name in args.models.split(","):
+                done.append(rows(name, inner, args.rounds, args.limit, args.cost_model))
+                yield done[-1]
+
+    write_rows(out, head, HEADER, batches())
+    suffix = "" if args.cost_model == "roofline" else f"_{args.cost_model}"
+    images = plot([row for batch in done for row in batch], out.parent, suffix)
+    out.write_text(out.read_text() + "\n" + " ".join(f"![{name}]({name})" for name in images) + "\n")
+
+
+def plot(table_rows: list[list[str]], directory: Path, suffix: str = "") -> list[str]:
+    """compile_<inner><suffix>.png per inner compiler: each method's measured step
+    overhead against its measured peak, optremat's and PyTorch's per model; returns the
+    file names."""
+    names = []
+    for inner in dict.fromkeys(row[1] for row in table_rows):
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for row in table_rows:
+            cells = dict(zip(HEADER, row))
+            if row[1] != inner or cells["measured peak"] == "-":
+                continue
+            method = "optremat" if cells["method"].startswith("optremat") else "PyTorch activation_memory_budget"
+            lines.setdefault(f"{row[0]}, {method}", []).append(
+                (float(cells["measured peak"].split()[0]), float(cells["measured overhead (median)"].rstrip("%"))))
+        names.append(f"compile_{inner}{suffix}.png")
+        plot_lines(directory / names[-1], lines, f"{inner}: measured step overhead vs measured peak",
+                   "measured peak (MiB)", "measured overhead (%)")
+    return names
 
 if __name__ == "__main__":
     main()
