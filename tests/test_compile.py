@@ -418,6 +418,17 @@ def test_known_plans_are_the_frontier_of_those_remembered(points: list[tuple[int
                for p in remembered)
 
 
+def test_known_plans_are_kept_for_the_graphs_planned_last() -> None:
+    graph = training_chain([1.0] * 3, [1] * 3)
+    plan = kept_plan(graph, np.zeros(graph.n, dtype=bool), "test")
+    for key in range(known.GRAPHS + 1):
+        known.remember(str(key), plan)
+    known.remember("1", plan)
+    known.remember("extra", plan)
+    assert known.known("0") == [] and known.known("2") == []
+    assert known.known("1") == [plan] and known.known(str(known.GRAPHS)) == [plan]
+
+
 def test_later_steps_do_not_compile_again() -> None:
     example = gpt()
     backend = optremat.compile_backend(0.8, inner="aot_eager", solver="dtr")

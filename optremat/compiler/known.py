@@ -8,16 +8,21 @@ a plan that fits both), and with it a larger peak at the smaller budget. Each pl
 backend returns is remembered under a key naming everything that decides its price (the
 graph, its op costs, how it runs); the plans remembered under the same key compete at
 every later budget. Of those, only the plans no other beats on both predicted peak and
-predicted overhead are kept.
+predicted overhead are kept, for the GRAPHS graphs planned most recently.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 from optremat.plan import Plan
 
-_KNOWN: dict[str, list[Plan]] = {}
+GRAPHS = 64
+"""Keys whose plans are kept; the least recently used is dropped beyond that, so that a
+process compiling graph after graph does not hold every plan it ever made."""
+
+_KNOWN: OrderedDict[str, list[Plan]] = OrderedDict()
 _LOCK = threading.Lock()
 
 
@@ -35,6 +40,9 @@ def remember(key: str, plan: Plan) -> None:
         if not any(_beats(p, plan) for p in plans):
             plans.append(plan)
         _KNOWN[key] = plans
+        _KNOWN.move_to_end(key)
+        while len(_KNOWN) > GRAPHS:
+            _KNOWN.popitem(last=False)
 
 
 def forget() -> None:
