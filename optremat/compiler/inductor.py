@@ -12,6 +12,12 @@ recomputation is computed after it, with both summands alive across the recomput
 tensor's allocation. `inlined` names those ops; the solvers plan the backward with them
 read through (`schedule.read_through`), and a plan is priced with every op Inductor
 inlines read through.
+
+Inductor also fuses kernels that are not adjacent, and runs a fused kernel where its
+first part ran, with everything its later part reads computed before it. Two copies of a
+recomputed op that the plan runs far apart share their small inputs (a norm's saved
+statistics), so Inductor would fuse them and hold every recomputed tensor in between at
+once; `PlanOrder` refuses those fusions, so the backward keeps the plan's order.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 import torch._inductor.config as inductor_config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.scheduler import BaseSchedulerNode, Scheduler
 
 from optremat.compiler.joint import JointStep
 from optremat.costs import DeviceProfile, fused_cost
@@ -92,3 +100,30 @@ def _inlines_inputs(graph: Graph, nodes: list[torch.fx.Node | None], reader: int
 
 def _accumulated_reads() -> int:
     return inductor_config.realize_acc_reads_threshold or inductor_config._realize_acc_reads_threshold_default
+
+
+class PlanOrder(InductorChoices):
+    """Inductor's fusion heuristics, less any fusion that would run a kernel before a
+    kernel the graph orders between the two fused ones: the later kernel would then be
+    computed early, with everything it reads, and the tensors of the plan's order would no
+    longer be the ones alive. Set through `torch._inductor.config.inductor_choices_class`."""
+
+    @staticmethod
+    def can_fuse(scheduler: Scheduler, node1: BaseSchedulerNode, node2: BaseSchedulerNode,
+                 shared_data_score: int) -> bool:
+        return (InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+                and not _pulls_forward(scheduler, node1, node2))
+
+    def uuid(self) -> str:
+        return "optremat.PlanOrder"
+
+
+def _pulls_forward(scheduler: Scheduler, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
+    """Whether fusing the two nodes moves a kernel that the graph runs between them (an
+    ancestor of the later one) before the earlier one."""
+    first, second = sorted((node1, node2), key=lambda node: node.min_order)
+    for name in second.ancestors:
+        ancestor = scheduler.name_to_fused_node.get(name)
+        if ancestor is not None and first.max_order < ancestor.min_order and ancestor.max_order < second.min_order:
+            return True
+    return False
