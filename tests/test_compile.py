@@ -18,6 +18,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.virtualized import V
 
 import optremat
 from optremat.budget import InfeasibleBudget
@@ -300,7 +301,9 @@ def test_inductor_runs_a_plan_within_its_budget_and_predicted_peak(fraction: flo
     priced with that inlining peaks at most at its prediction, which fits the budget. At
     0.7 the greedy plan recomputes convolutions many times in the backward; Inductor, left
     to fuse their far-apart copies, held seven of their outputs at once (17.48 MiB against
-    14.96 MiB predicted)."""
+    14.96 MiB predicted). Inductor's fusion choices for other compiles, made before and
+    kept after, are left as they were."""
+    others = V.choices
     example = build("resnet-tiny", batch=8)
     model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
     expected = step(model, inputs, loss_fn)
@@ -316,6 +319,7 @@ def test_inductor_runs_a_plan_within_its_budget_and_predicted_peak(fraction: flo
     predicted = backend.plans[0].predicted_peak_bytes
     assert predicted <= budget
     assert peak_of(model, compiled, inputs, loss_fn) <= predicted * 1.02
+    assert V.choices is others
 
 
 @pytest.mark.parametrize("cost_model", ["roofline", "profile"])

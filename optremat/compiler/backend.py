@@ -26,7 +26,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from optremat.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.cache import PlanCache
-from optremat.compiler.inductor import PlanOrder, inductor_step, priced
+from optremat.compiler.inductor import compile_in_plan_order, inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.known import known, remember
 from optremat.compiler.partition import partition, writable
@@ -271,9 +271,8 @@ class Backend:
             # a graph from Inductor's own caches would skip the partitioner, leaving no plan to
             # inspect: the plan cache (`cache`) makes the second compile cheap instead
             with functorch_config.patch(enable_autograd_cache=False):
-                return compile_fx(gm, example_inputs, config_patches={
-                    "custom_partitioner_fn": self.partitioner, "pattern_matcher": False, "fx_graph_cache": False,
-                    "inductor_choices_class": PlanOrder})
+                return compile_fx(gm, example_inputs, inner_compile=compile_in_plan_order, config_patches={
+                    "custom_partitioner_fn": self.partitioner, "pattern_matcher": False, "fx_graph_cache": False})
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 

@@ -17,18 +17,22 @@ Inductor also fuses kernels that are not adjacent, and runs a fused kernel where
 first part ran, with everything its later part reads computed before it. Two copies of a
 recomputed op that the plan runs far apart share their small inputs (a norm's saved
 statistics), so Inductor would fuse them and hold every recomputed tensor in between at
-once; `PlanOrder` refuses those fusions, so the backward keeps the plan's order.
+once; `PlanOrder` refuses those fusions, so the backward keeps the plan's order, and
+`compile_in_plan_order` compiles each graph with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.choices import InductorChoices
+from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.scheduler import BaseSchedulerNode, Scheduler
+from torch._inductor.virtualized import V
 
 from optremat.compiler.joint import JointStep
 from optremat.costs import DeviceProfile, fused_cost
@@ -106,7 +110,7 @@ class PlanOrder(InductorChoices):
     """Inductor's fusion heuristics, less any fusion that would run a kernel before a
     kernel the graph orders between the two fused ones: the later kernel would then be
     computed early, with everything it reads, and the tensors of the plan's order would no
-    longer be the ones alive. Set through `torch._inductor.config.inductor_choices_class`."""
+    longer be the ones alive."""
 
     @staticmethod
     def can_fuse(scheduler: Scheduler, node1: BaseSchedulerNode, node2: BaseSchedulerNode,
@@ -127,3 +131,12 @@ def _pulls_forward(scheduler: Scheduler, node1: BaseSchedulerNode, node2: BaseSc
         if ancestor is not None and first.max_order < ancestor.min_order and ancestor.max_order < second.min_order:
             return True
     return False
+
+
+def compile_in_plan_order(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's `compile_fx_inner` with `PlanOrder` deciding fusions, for this graph only:
+    Inductor keeps one choices handler per thread, made from its config the first time it
+    is read, so setting the config would not reach a thread that compiled before and would
+    reach every graph compiled after."""
+    with V.set_choices_handler(PlanOrder()):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
