@@ -137,16 +137,20 @@ class Partitioner(CustomPartitionerFn):
         the smallest budget named: compiling again at it always finds that plan."""
         started = time.perf_counter()
         graph = self._ordered(step)
+        found_before = [] if book is None else [_found_before(plan, budget_bytes) for plan in known(book)]
         with ThreadPoolExecutor(max_workers=1) as pool:
-            # PyTorch's partitioner runs in Python while CP-SAT searches in C++ without the GIL
+            # PyTorch's partitioner and the pricing of plans run in Python while CP-SAT searches
+            # in C++ without the GIL; the pool runs its tasks in turn, the rivals first
             competing = pool.submit(self._rivals, step, graph, rivals) if self.solver == "auto" else None
+            filling = None if competing is None else pool.submit(
+                lambda: self._fitting(step, competing.result() + found_before, budget_bytes))
             solved = self._solved(step, graph, budget_bytes, started)
-            others = [] if competing is None else competing.result()
-        others += [] if book is None else [_found_before(plan, budget_bytes) for plan in known(book)]
-        fitting = [c for c in [solved, *others] if c is not None and c.predicted_peak_bytes <= budget_bytes]
+            if filling is None:
+                fitting = [solved] if solved is not None and solved.predicted_peak_bytes <= budget_bytes else []
+            else:
+                fitting = self._fitting(step, [solved], budget_bytes) + filling.result()
+        others = ([] if competing is None else competing.result()) + found_before
         if fitting:
-            if self.solver == "auto":
-                fitting = [self._filled(step, c, budget_bytes) for c in fitting]
             best = min(fitting, key=lambda c: c.predicted_overhead)
         else:
             best = min([self._as_compiled(step, least_plan(graph, share=self.share)), *others],
@@ -158,6 +162,11 @@ class Partitioner(CustomPartitionerFn):
         if book is not None:
             remember(book, best)
         return best
+
+    def _fitting(self, step: JointStep, plans: list[Plan | None], budget_bytes: int) -> list[Plan]:
+        """The plans that fit the budget, each filled up to it (`_filled`)."""
+        return [self._filled(step, c, budget_bytes) for c in plans
+                if c is not None and c.predicted_peak_bytes <= budget_bytes]
 
     def _rivals(self, step: JointStep, graph: Graph, rivals: Rivals) -> list[Plan]:
         """PyTorch's own partitions of the graph (`rivals`), each priced as compiled."""
