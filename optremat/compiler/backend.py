@@ -145,10 +145,7 @@ class Partitioner(CustomPartitionerFn):
             filling = None if competing is None else pool.submit(
                 lambda: self._fitting(step, competing.result() + found_before, budget_bytes))
             solved = self._solved(step, graph, budget_bytes, started)
-            if filling is None:
-                fitting = [solved] if solved is not None and solved.predicted_peak_bytes <= budget_bytes else []
-            else:
-                fitting = self._fitting(step, [solved], budget_bytes) + filling.result()
+            fitting = self._fitting(step, [solved], budget_bytes) + ([] if filling is None else filling.result())
         others = ([] if competing is None else competing.result()) + found_before
         if fitting:
             best = min(fitting, key=lambda c: c.predicted_overhead)
@@ -164,9 +161,9 @@ class Partitioner(CustomPartitionerFn):
         return best
 
     def _fitting(self, step: JointStep, plans: list[Plan | None], budget_bytes: int) -> list[Plan]:
-        """The plans that fit the budget, each filled up to it (`_filled`)."""
-        return [self._filled(step, c, budget_bytes) for c in plans
-                if c is not None and c.predicted_peak_bytes <= budget_bytes]
+        """The plans that fit the budget, with solver "auto" each filled up to it (`_filled`)."""
+        fit = [c for c in plans if c is not None and c.predicted_peak_bytes <= budget_bytes]
+        return [self._filled(step, c, budget_bytes) for c in fit] if self.solver == "auto" else fit
 
     def _rivals(self, step: JointStep, graph: Graph, rivals: Rivals) -> list[Plan]:
         """PyTorch's own partitions of the graph (`rivals`), each priced as compiled."""
