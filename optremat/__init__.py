@@ -14,8 +14,8 @@ from typing import Any
 
 _ON_FIRST_USE = {
     "ExtractionError": "optremat.extract", "extract": "optremat.extract",
-    "Plan": "optremat.plan", "plan": "optremat.planning", "price_regions": "optremat.native_plan",
-    "reprice": "optremat.native_plan",
+    "Plan": "optremat.plan", "PlanFileError": "optremat.plan", "plan": "optremat.planning",
+    "price_regions": "optremat.native_plan", "reprice": "optremat.native_plan",
     "apply": "optremat.runtime.apply", "Replanning": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
     "PlanMismatch": "optremat.runtime.native",
     "compile_backend": "optremat.compiler.backend", "KnapsackSolver": "optremat.compiler.knapsack",
@@ -68,6 +68,7 @@ __all__ = [
     "InvalidSchedule",
     "KnapsackSolver",
     "Plan",
+    "PlanFileError",
     "PlanMismatch",
     "Region",
     "Replanning",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
+
+import numpy as np
 
 from optremat.graph import Graph, format_bytes
 from optremat.schedule import keep_all, simulate
@@ -30,12 +33,37 @@ class InfeasibleBudget(ValueError):
         self.proven = proven
 
 
+_NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*")
+"""A number, optionally with a unit: "0.5", "1e9", "6GiB", "500 MB"."""
+
+
+def _spelled(text: str) -> tuple[float, str] | None:
+    """The number and the (lower-case) unit `text` spells, or None if it spells none."""
+    match = _NUMBER.fullmatch(text.lower())
+    if not match or match.group(2) not in _UNITS:
+        return None
+    return float(match.group(1)), match.group(2)
+
+
+def _whole_bytes(value: float, unit: str) -> int | None:
+    """Bytes meant by `value` `unit`s: whole bytes when counted in bytes, rounded down
+    from a larger unit ("1.5KiB" is 1536 bytes, "1.5" bytes is not a size); None when not
+    at least one byte."""
+    if unit in ("", "b") and not value.is_integer():
+        return None
+    count = int(value * _UNITS[unit])
+    return count if count >= 1 else None
+
+
 def parse_size(text: str) -> int:
-    """Bytes meant by a size: digits, or a number with a unit such as "16GiB" or "500MB"."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    if not match or match.group(2) not in _UNITS or float(match.group(1)) * _UNITS[match.group(2)] < 1:
-        raise ValueError(f"memory size {text!r} is not understood; give bytes or a size such as '16GiB' or '500MB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    """Bytes meant by a size: a whole number of bytes, or a number with a unit such as
+    "16GiB" or "500MB"."""
+    spelled = _spelled(str(text))
+    count = None if spelled is None else _whole_bytes(*spelled)
+    if count is None:
+        raise ValueError(f"memory size {text!r} is not understood; give whole bytes or a size such as '16GiB' "
+                         "or '500MB'")
+    return count
 
 
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
@@ -48,21 +76,40 @@ def resolve_budget(graph: Graph, budget: int | float | str) -> int:
 
 def check_budget(budget: int | float | str) -> int | float:
     """`budget` as bytes (an int) or a fraction of the unplanned peak (a float in (0, 1]);
-    ValueError for anything else."""
-    if isinstance(budget, bool):
+    ValueError for anything else. Numpy numbers count as the Python numbers they equal;
+    a string means the number it spells: a fraction in (0, 1] or whole bytes, or a size
+    with a unit."""
+    if isinstance(budget, (bool, np.bool_)):
         raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
     if isinstance(budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", budget.lower())
-        if not match or match.group(2) not in _UNITS:
-            raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
-        value = float(match.group(1)) * _UNITS[match.group(2)]
-        if match.group(2) == "" and value <= 1:
-            return check_budget(value)
-        budget = int(value)
-    if isinstance(budget, float):
-        if not math.isfinite(budget) or not 0 < budget <= 1:
-            raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
-        return budget
-    if not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED}")
-    return budget
+        return _budget_of_text(budget)
+    if isinstance(budget, numbers.Integral):
+        if budget <= 0:
+            raise ValueError(f"budget {budget!r} is not understood: bytes must be > 0; {ACCEPTED}")
+        return int(budget)
+    if isinstance(budget, numbers.Real):
+        value = float(budget)
+        if not math.isfinite(value) or not 0 < value <= 1:
+            raise ValueError(f"budget {budget!r} is not understood: a float is a fraction in (0, 1] (give bytes "
+                             f"as an int); {ACCEPTED}")
+        return value
+    raise ValueError(f"budget {budget!r} ({type(budget).__name__}) is not understood; {ACCEPTED}")
+
+
+def _budget_of_text(text: str) -> int | float:
+    """The budget a string spells: a unitless number up to 1 is a fraction, any other
+    number must be whole bytes ("1.5" is neither), a number with a unit is a size."""
+    spelled = _spelled(text)
+    if spelled is None:
+        raise ValueError(f"budget {text!r} is not understood; {ACCEPTED}")
+    value, unit = spelled
+    if value == 0:
+        raise ValueError(f"budget {text!r} is zero; {ACCEPTED}")
+    if unit == "" and value <= 1:
+        return value
+    count = _whole_bytes(value, unit)
+    if count is None:
+        what = {"": "neither a fraction in (0, 1] nor a whole number of bytes",
+                "b": "not a whole number of bytes"}.get(unit, "under one byte")
+        raise ValueError(f"budget {text!r} is {what}; {ACCEPTED}")
+    return count

@@ -7,6 +7,9 @@ so several processes planning the same key at once solve it once and all read on
 entry. Each entry carries a checksum of its plan: a truncated or corrupted entry is
 reported as a warning and re-solved, never loaded. A plan found under a time limit is
 reused only if it was proven optimal or the new call allows no more time.
+
+A cache that cannot be written (a read-only directory, a full disk) still serves the
+entries it holds; a plan it cannot store is returned all the same, with a warning.
 """
 
 from __future__ import annotations
@@ -14,18 +17,20 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import IO, Any, Callable, Iterator, TypeVar
 
+from optremat.plan import write_atomically
 from optremat.solution import OPTIMAL
 
 T = TypeVar("T")
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+"""The entry format (2: plans that carry their own checksum); an entry of another
+format is a miss, replaced when the key is planned again."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,6 @@ class PlanCache:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
     def key(**parts: Any) -> str:
@@ -62,13 +66,27 @@ class PlanCache:
 
     @contextmanager
     def locked(self, key: str) -> Iterator[None]:
-        """Hold the key's lock: other processes planning the same key wait here."""
-        with open(self.directory / f"{key}.lock", "w") as handle:
+        """Hold the key's lock: other processes planning the same key wait here. In a
+        directory this process cannot write, nothing is locked: its entries are read as
+        they are (entries are replaced atomically) and nothing will be stored."""
+        handle = self._lock_file(key)
+        if handle is None:
+            yield
+            return
+        with handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _lock_file(self, key: str) -> IO[str] | None:
+        """The key's lock file, opened (and the directory made) if this process can."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return open(self.directory / f"{key}.lock", "a")
+        except OSError:
+            return None
 
     def get(self, key: str, time_limit: float, load: Callable[[dict[str, Any]], T]) -> T | None:
         """The cached plan for `key`, read by `load` from its JSON, if present, intact and
@@ -78,8 +96,10 @@ class PlanCache:
             return None
         try:
             entry = json.loads(path.read_text())
+            if entry.get("format") != CACHE_FORMAT:
+                return None
             text = json.dumps(entry["plan"], sort_keys=True)
-            if entry.get("format") != CACHE_FORMAT or hashlib.sha256(text.encode()).hexdigest() != entry["checksum"]:
+            if hashlib.sha256(text.encode()).hexdigest() != entry["checksum"]:
                 raise ValueError("checksum mismatch")
             plan = load(entry["plan"])
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -89,15 +109,22 @@ class PlanCache:
             return None
         return plan
 
-    def put(self, key: str, body: dict[str, Any], time_limit: float) -> None:
-        """Store a plan's JSON atomically: readers see the old entry or the new one, never half of one."""
+    def put(self, key: str, body: dict[str, Any], time_limit: float) -> bool:
+        """Store a plan's JSON atomically: readers see the old entry or the new one, never
+        half of one. A plan that cannot be stored is reported as a warning naming the
+        directory and the OS error, not raised: the caller still has its plan. Returns
+        whether the entry was stored."""
         text = json.dumps(body, sort_keys=True)
         entry = {"format": CACHE_FORMAT, "checksum": hashlib.sha256(text.encode()).hexdigest(),
                  "time_limit": time_limit, "plan": body}
-        path = self._path(key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry))
-        os.replace(tmp, path)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_atomically(self._path(key), json.dumps(entry))
+        except OSError as error:
+            warnings.warn(f"optremat: could not store the plan in the plan cache {self.directory} ({error}); "
+                          "it is used but not cached", stacklevel=3)
+            return False
+        return True
 
     def entries(self) -> list[Entry]:
         """Every entry on disk (corrupted ones are listed with status CORRUPTED)."""
@@ -114,11 +141,13 @@ class PlanCache:
         return out
 
     def clear(self) -> int:
-        """Remove every entry and lock file; returns how many entries were removed."""
+        """Remove every entry, lock file and temporary file a write left behind (a process
+        killed mid-write); returns how many entries were removed."""
         removed = 0
         for path in self.directory.glob("*.plan.json"):
             path.unlink(missing_ok=True)
             removed += 1
-        for path in self.directory.glob("*.lock"):
-            path.unlink(missing_ok=True)
+        for pattern in ("*.lock", ".*.plan.json.*.tmp"):
+            for path in self.directory.glob(pattern):
+                path.unlink(missing_ok=True)
         return removed

@@ -1,14 +1,16 @@
 """The `optremat` command line.
 
-Exit codes: 0 success, 2 bad input (unknown model, unreadable file, untraceable model,
-a budget or solver not understood), 3 infeasible budget (the message names the smallest
-feasible one).
+Exit codes: 0 success, 2 bad input (unknown model, unreadable or malformed file,
+untraceable model, a budget, solver or option not understood, a file that cannot be
+written), 3 infeasible budget (the message names the smallest feasible one). Errors are
+one line on stderr, `optremat: error: ...`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -38,6 +40,8 @@ def _load(args: argparse.Namespace) -> tuple[Graph, str]:
 
 
 def _graph_command(args: argparse.Namespace) -> int:
+    _check_source(args)
+    _check_target(args.save, "--save")
     start = time.perf_counter()
     graph, source = _load(args)
     seconds = time.perf_counter() - start
@@ -69,24 +73,25 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(f"  {elapsed:7.1f} s  overhead {cost / total - 1:8.2%}  bound {bound / total - 1:8.2%}",
               file=sys.stderr, flush=True)
 
-    if args.model:
+    _check_plan_options(args)
+    if args.model is not None:
         if args.share:
             raise ValueError("--share is for --graph files: a model's plan runs its module calls under checkpoint, "
                              "which cannot write over inputs (compiled graphs can: optremat.compile_backend)")
         return _plan_model(args, progress)
     from optremat.budget import resolve_budget
+    from optremat.plan import write_atomically
     from optremat.solve import solve
 
     graph = published.load(args.graph)
-    budget = resolve_budget(graph, _budget(args.budget))
+    budget = resolve_budget(graph, args.budget)
     solution = solve(graph, budget, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                      seed=args.seed, deterministic=args.deterministic, share=args.share,
                      progress=(lambda e, c, b: progress(e, c, b, graph.total_cost)) if args.progress else None)
     result = simulate(graph, solution.schedule, share=frozenset(solution.shared))
     unplanned = simulate(graph, keep_all(graph))
-    if args.save:
-        with open(args.save, "w") as f:
-            json.dump({**solution.schedule.to_json(), "shared": sorted(map(list, solution.shared.items()))}, f)
+    schedule = {**solution.schedule.to_json(), "shared": sorted(map(list, solution.shared.items()))}
+    failed = _saved(lambda: write_atomically(Path(args.save), json.dumps(schedule))) if args.save else None
     report = {
         "source": args.graph, "nodes": graph.n, "solver": solution.solver, "status": solution.status,
         "budget_bytes": budget, "peak_bytes": result.peak_bytes, "unplanned_peak_bytes": unplanned.peak_bytes,
@@ -97,7 +102,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     }
     if args.json:
         print(json.dumps(report))
-        return 0
+        return _after_save(failed)
     print(f"{args.graph}: {graph.n} nodes")
     print(f"budget {format_bytes(budget)}: peak {format_bytes(result.peak_bytes)} "
           f"(unplanned {format_bytes(unplanned.peak_bytes)}), overhead {result.overhead:.2%}, "
@@ -105,9 +110,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     bound = report["lower_bound_overhead"]
     proof = "" if bound is None else f", proven overhead >= {bound:.2%} (gap {solution.gap:.2%})"
     print(f"{solution.solver}: {solution.status}{proof}, {solution.seconds:.2f} s")
-    if args.save:
+    if args.save and failed is None:
         print(f"schedule written to {args.save}")
-    return 0
+    return _after_save(failed)
 
 
 def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
@@ -115,20 +120,68 @@ def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     from optremat.planning import plan
 
     example = load(args.model)
-    result = plan(example.model, example.inputs, _budget(args.budget), solver=args.solver, time_limit=args.time_limit,
+    result = plan(example.model, example.inputs, args.budget, solver=args.solver, time_limit=args.time_limit,
                   loss_fn=example.loss_fn, device=args.device,
                   workers=args.workers, seed=args.seed, deterministic=args.deterministic,
                   progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None,
                   cache=args.cache, parallel=_parallel(args))
-    if args.save:
-        result.save(args.save)
+    failed = _saved(lambda: result.save(args.save)) if args.save else None
     if args.json:
         print(json.dumps(_plan_report(args.model, result)))
-        return 0
+        return _after_save(failed)
     print(f"model {args.model}: {result.graph.n} ops")
     print(result.summary())
-    if args.save:
+    if args.save and failed is None:
         print(f"plan written to {args.save}")
+    return _after_save(failed)
+
+
+def _check_source(args: argparse.Namespace) -> None:
+    """Refuse an empty --model or --graph before loading anything."""
+    wanted = {"--model": "a built-in model or path/to/file.py:function", "--graph": "a graph file"}
+    for flag, value in (("--model", args.model), ("--graph", args.graph)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} is empty; name {wanted[flag]}")
+
+
+def _check_plan_options(args: argparse.Namespace) -> None:
+    """Refuse what `plan` cannot serve before loading, tracing or solving anything."""
+    from optremat.budget import check_budget
+
+    _check_source(args)
+    check_budget(args.budget)
+    if not math.isfinite(args.time_limit) or args.time_limit <= 0:
+        raise ValueError(f"--time-limit must be a number of seconds > 0, not {args.time_limit:g}")
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0 (0: all cores), not {args.workers}")
+    _check_target(args.save, "--save")
+
+
+def _check_target(path: str | None, flag: str) -> None:
+    """Refuse a file to write whose directory does not exist, before any work is done."""
+    if path is None:
+        return
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {target.parent} does not exist; create it or choose another path")
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; name a file to write")
+
+
+def _saved(write: Callable[[], None]) -> OSError | None:
+    """Run `write`, returning its OSError instead of raising it, so that the result it
+    could not write is still printed before the error."""
+    try:
+        write()
+    except OSError as error:
+        return error
+    return None
+
+
+def _after_save(failed: OSError | None) -> int:
+    """Exit status 0, or the write error once the result has been printed."""
+    if failed is not None:
+        raise failed
     return 0
 
 
@@ -312,16 +365,6 @@ def _plot(result: Any, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _budget(text: str) -> int | float | str:
-    """A CLI budget: digits alone are bytes, a number with a point a fraction, else a size."""
-    if text.isdigit():
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _add_source(command: argparse.ArgumentParser, model_help: str) -> None:

@@ -3,8 +3,12 @@ shape, as a runtime reads them and as they are saved (versioned JSON)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import os
+import re
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,9 +20,20 @@ from optremat.regions import Region
 from optremat.schedule import Schedule
 from optremat.sharding import DDP, FSDP, Parallel
 
-FORMAT_VERSION = 4
-READS = (3, 4)
-"""The plan format versions this optremat reads (4 added `compared`)."""
+FORMAT_VERSION = 5
+READS = (5,)
+"""The plan format versions this optremat reads (5 added `checksum`, which every plan
+read must carry)."""
+RUNTIMES = ("native", "compiled")
+"""What may run a plan (`Plan.runtime`)."""
+PARALLEL_KINDS = {"FSDP": FSDP, "DDP": DDP}
+"""The data-parallel jobs a plan file may name, by the `kind` it saves them under."""
+
+
+class PlanFileError(ValueError):
+    """A plan file (or its JSON) that optremat cannot read back as the plan it saved:
+    not JSON, not a plan, another format version, changed after it was saved, or
+    malformed."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,7 +49,9 @@ class Plan:
     native plan the memory bound of the step's graph, which holds for every plan the
     native runtime can run; for a compiled plan the solver's, in its planning model (the
     coarsened graph, each op computed at most a few times); None when nothing is proven.
-    `loss` says how the loss computed after the model was priced. A plan for a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
+    `loss` says how the loss computed after the model was priced, `cost_model` and `device`
+    what priced its ops (a plan made again at another shape is priced alike). A plan for
+    a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
     `compared` lists the other planners' plans that competed for this one, priced the same
     way: (name, predicted peak bytes, predicted overhead) each (a compiled plan's rivals
     are PyTorch's own partitions of the graph).
@@ -60,6 +77,8 @@ class Plan:
     loss: str = ""
     parallel: Parallel | None = None
     compared: tuple[tuple[str, int, float], ...] = ()
+    cost_model: str = "roofline"
+    device: str = "cpu"
     cached: bool = field(default=False, compare=False)
 
     @property
@@ -148,7 +167,8 @@ class Plan:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """The plan as versioned JSON data, with the checksum of its content."""
+        content = {
             "format": "optremat.plan",
             "version": FORMAT_VERSION,
             "graph": self.graph.to_json(),
@@ -168,45 +188,231 @@ class Plan:
             "solver_overhead": self.solver_overhead,
             "training": self.training,
             "runtime": self.runtime,
+            "cost_model": self.cost_model,
+            "device": self.device,
             "shared": [list(pair) for pair in self.shared],
             "compared": [list(c) for c in self.compared],
             "parallel": None if self.parallel is None else {"kind": type(self.parallel).__name__,
                                                            **asdict(self.parallel)},
         }
+        return {**content, "checksum": checksum(content)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Plan":
-        if data.get("format") != "optremat.plan":
-            raise ValueError("not an optremat plan (missing format tag)")
-        if data.get("version") not in READS:
-            raise ValueError(f"plan format version {data.get('version')} is not supported "
-                             f"(this optremat reads {', '.join(map(str, READS))}); plan again")
-        fields = {k: v for k, v in data.items() if k not in ("format", "version", "graph", "schedule", "regions",
-                                                             "shared", "mutated_buffers", "parallel", "compared")}
-        return cls(graph=Graph.from_json(data["graph"]), schedule=Schedule.from_json(data["schedule"]),
+    def from_json(cls, data: Any) -> "Plan":
+        """The plan `to_json` wrote; PlanFileError for anything else (another version, a
+        plan changed after it was saved, a malformed one)."""
+        _check_header(data)
+        _check_fields(data)
+        return cls(graph=_part("graph", Graph.from_json, data["graph"]),
+                   schedule=_part("schedule", Schedule.from_json, data["schedule"]),
                    regions=tuple(Region.from_json(r) for r in data["regions"]),
-                   shared=tuple((int(k), int(p)) for k, p in data["shared"]),
-                   mutated_buffers=tuple(data["mutated_buffers"]), parallel=_parallel_of(data.get("parallel")),
-                   compared=tuple((str(n), int(p), float(o)) for n, p, o in data.get("compared", [])), **fields)
+                   shared=tuple((k, p) for k, p in data["shared"]),
+                   mutated_buffers=tuple(data["mutated_buffers"]), parallel=_parallel_of(data["parallel"]),
+                   compared=tuple((n, p, float(o)) for n, p, o in data["compared"]),
+                   **{k: data[k] for k in _SCALARS})
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as versioned JSON (atomically: a reader never sees half a plan)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_json()))
-        tmp.replace(path)
+        """Write the plan as versioned JSON (atomically: a reader never sees half a plan);
+        an OSError naming `path` if it cannot be written."""
+        write_atomically(Path(path), json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """The plan saved at `path`; PlanFileError naming the file when it holds no plan
+        this optremat reads (OSError when it cannot be read at all)."""
+        raw = Path(path).read_bytes()
+        try:
+            data = json.loads(raw)
+        except ValueError as error:
+            raise PlanFileError(f"plan file {path} is not valid JSON ({error}); plan again and save it") from None
+        try:
+            return cls.from_json(data)
+        except PlanFileError as error:
+            raise PlanFileError(f"plan file {path}: {error}") from None
+
+
+def checksum(content: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a plan's content (every field but `checksum`)."""
+    text = json.dumps({k: v for k, v in content.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file renamed into place, so that a
+    reader sees the old file or the new one, never half of one. On failure no temporary
+    file is left and the OSError raised (of the same kind) names `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as error:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        reason = (f"its directory {path.parent} does not exist" if not os.path.isdir(path.parent)
+                  else error.strerror or str(error))
+        raise type(error)(f"cannot write {path}: {reason}") from error
+
+
+_SCALARS = ("model_fingerprint", "loss", "budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes",
+            "predicted_overhead", "solver", "status", "lower_bound", "solve_seconds", "solver_overhead",
+            "training", "runtime", "cost_model", "device")
+"""The fields a plan file holds as they are: text, numbers and flags."""
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_count(value: Any) -> bool:
+    """A whole number >= 0 (JSON's true and false are not numbers here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_bytes(value: Any) -> bool:
+    return _is_count(value) and value > 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _list_of(item: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(item(v) for v in value)
+
+
+def _row(*items: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A list of exactly these items, in this order."""
+    return lambda value: (isinstance(value, list) and len(value) == len(items)
+                          and all(item(v) for item, v in zip(items, value)))
+
+
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format": (_is_text, "text"),
+    "version": (_is_count, "a whole number"),
+    "checksum": (_is_text, "text"),
+    "graph": (lambda v: isinstance(v, dict), "an object (an optremat graph)"),
+    "schedule": (lambda v: isinstance(v, dict), "an object (an optremat schedule)"),
+    "regions": (_list_of(_row(_is_text, _is_count, _list_of(_row(_is_text, _is_count)))),
+                "a list of [module path, call, [[op, occurrence], ...]]"),
+    "model_fingerprint": (_is_text, "text"),
+    "mutated_buffers": (_list_of(_is_text), "a list of buffer names"),
+    "loss": (_is_text, "text"),
+    "budget_bytes": (_is_bytes, "a whole number of bytes > 0"),
+    "predicted_peak_bytes": (_is_bytes, "a whole number of bytes > 0"),
+    "baseline_peak_bytes": (_is_bytes, "a whole number of bytes > 0"),
+    "predicted_overhead": (_is_number, "a number"),
+    "solver": (_is_text, "text"),
+    "status": (_is_text, "text"),
+    "lower_bound": (lambda v: v is None or _is_number(v), "a number or null"),
+    "solve_seconds": (_is_number, "a number"),
+    "solver_overhead": (_is_number, "a number"),
+    "training": (_is_bool, "true or false"),
+    "runtime": (lambda v: _is_text(v) and v in RUNTIMES, f"one of {', '.join(RUNTIMES)}"),
+    "cost_model": (_is_text, "text"),
+    "device": (_is_text, "text"),
+    "shared": (_list_of(_row(_is_count, _is_count)), "a list of [event, input] pairs"),
+    "compared": (_list_of(_row(_is_text, _is_count, _is_number)), "a list of [planner, peak bytes, overhead]"),
+    "parallel": (lambda v: v is None or isinstance(v, dict), "null or an object"),
+}
+"""Every key of a plan file, what its value must be and how to say so."""
+
+_MALFORMED = "plan again to write a valid one"
+
+
+def _check_header(data: Any) -> None:
+    """Refuse JSON that is not a plan of a format this optremat reads, or whose content
+    no longer matches the checksum it was saved with."""
+    if not isinstance(data, dict):
+        raise PlanFileError(f"a plan is one JSON object, not {_json_kind(data)}; {_MALFORMED}")
+    if data.get("format") != "optremat.plan":
+        raise PlanFileError("not an optremat plan (missing format tag)")
+    if data.get("version") not in READS:
+        raise PlanFileError(f"plan format version {data.get('version')} is not supported "
+                            f"(this optremat reads {', '.join(map(str, READS))}); plan again")
+    if not _is_text(data.get("checksum")):
+        raise PlanFileError(f"the plan carries no checksum (key 'checksum'); {_MALFORMED}")
+    try:
+        matches = checksum(data) == data["checksum"]
+    except (TypeError, ValueError):
+        raise PlanFileError(f"the plan holds values that are not JSON data; {_MALFORMED}") from None
+    if not matches:
+        raise PlanFileError("the plan was changed after it was saved (its checksum does not match its content); "
+                            "plan again")
+
+
+def _check_fields(data: dict[str, Any]) -> None:
+    """Refuse a plan with keys missing or unexpected, a value of the wrong type, or a
+    region path whose span cannot be read."""
+    missing, unexpected = _FIELDS.keys() - data.keys(), data.keys() - _FIELDS.keys()
+    if missing:
+        raise PlanFileError(f"the plan lacks the keys {sorted(missing)}; {_MALFORMED}")
+    if unexpected:
+        raise PlanFileError(f"the plan holds unexpected keys {sorted(unexpected)}; {_MALFORMED}")
+    for key, (valid, expected) in _FIELDS.items():
+        if not valid(data[key]):
+            raise PlanFileError(f"the plan's {key!r} must be {expected}, not {_json_kind(data[key])}; {_MALFORMED}")
+    for path, _, _ in data["regions"]:
+        if not _is_region_path(path):
+            raise PlanFileError(f"region path {path!r} has a bad span: a run of a Sequential's children is written "
+                                f"path[start:stop] with whole numbers start < stop; {_MALFORMED}")
+
+
+def _is_region_path(path: str) -> bool:
+    """Whether `path` names a module (`blocks.3`) or a span of a Sequential's children
+    (`seq[0:3]`, start < stop), as `regions.parse_span` reads it."""
+    match = re.fullmatch(r"[^\[\]]*(?:\[([0-9]+):([0-9]+)\])?", path)
+    return match is not None and (match.group(1) is None or int(match.group(1)) < int(match.group(2)))
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, for an error message: "a list", "the text 'abc'", "null"..."""
+    if value is None:
+        return "null"
+    if isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return f"the text {value[:40]!r}"
+    return {dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
+
+
+def _part(name: str, read: Callable[[dict[str, Any]], Any], data: dict[str, Any]) -> Any:
+    """A plan's graph or schedule read by `read`, its errors reported as PlanFileError."""
+    try:
+        return read(data)
+    except (ValueError, TypeError, KeyError, IndexError) as error:
+        raise PlanFileError(f"the plan's {name} is malformed ({error}); {_MALFORMED}") from None
+
+
+_PARALLEL_FIELDS: dict[type, tuple[Callable[[Any], bool], str]] = {
+    bool: (_is_bool, "true or false"), int: (_is_count, "a whole number >= 0"), float: (_is_number, "a number"),
+    tuple: (_list_of(_is_text), "a list of text"),
+}
+"""How a field of FSDP or DDP is checked, by the type of its default."""
 
 
 def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
+    """The data-parallel job a plan file names, checked field by field against its type."""
     if data is None:
         return None
-    kinds = {"FSDP": FSDP, "DDP": DDP}
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k != "kind"}
-    return kinds[data["kind"]](**fields)
+    kind = data.get("kind")
+    if not _is_text(kind) or kind not in PARALLEL_KINDS:
+        raise PlanFileError(f"the plan's parallel kind must be one of {', '.join(PARALLEL_KINDS)}, "
+                            f"not {_json_kind(kind)}; {_MALFORMED}")
+    defaults = {f.name: f.default for f in fields(PARALLEL_KINDS[kind])}
+    given = {k: v for k, v in data.items() if k != "kind"}
+    if given.keys() != defaults.keys():
+        raise PlanFileError(f"the plan's parallel ({kind}) must have the keys {sorted(defaults)}, "
+                            f"not {sorted(given)}; {_MALFORMED}")
+    for name, value in given.items():
+        valid, expected = _PARALLEL_FIELDS.get(type(defaults[name]), (_is_text, "text"))
+        if not valid(value):
+            raise PlanFileError(f"the plan's parallel {name!r} must be {expected}, not {_json_kind(value)}; "
+                                f"{_MALFORMED}")
+    return PARALLEL_KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 
 def loss_note(loss_fn: Callable | None) -> str:

@@ -8,7 +8,10 @@ budget and the plan cache.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -16,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from optremat.budget import ACCEPTED, resolve_budget
+from optremat.budget import ACCEPTED, check_budget, resolve_budget
 from optremat.cache import PlanCache
 from optremat.costs import model_device
 from optremat.extract import assumed_loss, trace
@@ -53,7 +56,11 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     that the same call returns the same plan on any machine load. `parallel` plans one
     rank of an FSDP2 or DDP job (`optremat.FSDP`, `optremat.DDP`).
     """
-    _check(solver, parallel)
+    _check(solver, parallel, budget, time_limit, workers)
+    if not model.training:
+        warnings.warn(f"optremat: {type(model).__name__} is in eval mode (as transformers' from_pretrained returns "
+                      "models), so this plans eval-mode steps, and training steps run unplanned; call model.train() "
+                      "before planning to plan training", stacklevel=2)
     started = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     device_name = device or model_device(model)
@@ -71,7 +78,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
                              deterministic=deterministic, started=started,
                              progress=None if progress is None else _relative(progress, graph.total_cost))
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
-                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn), parallel=parallel)
+                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn), parallel=parallel,
+                       cost_model=cost_model, device=str(device_name))
 
     if cache is None:
         return solved()
@@ -89,10 +97,17 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         return result
 
 
-def _check(solver: str, parallel: Parallel | None) -> None:
-    """Refuse a request `plan` cannot serve before tracing anything."""
+def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any, workers: Any) -> None:
+    """Refuse a request `plan` cannot serve before tracing anything: the budget's form
+    (whether it fits needs the graph), the solver and its options, the parallel job."""
+    check_budget(budget)
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if (isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real)
+            or not math.isfinite(time_limit) or time_limit <= 0):
+        raise ValueError(f"time_limit must be a finite number of seconds > 0, not {time_limit!r}")
+    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
+        raise ValueError(f"workers must be a whole number >= 0 (0: all cores), not {workers!r}")
     if parallel is None:
         return
     if not isinstance(parallel, (FSDP, DDP)):

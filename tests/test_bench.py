@@ -2,6 +2,7 @@
 optremat is measured at each peer's peak."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_compare_measures_optremat_at_each_peers_peak():
             budget = blocks.peak_bytes if r.matches == blocks.method else 0.9 * unplanned.peak_bytes
             assert r.predicted_peak_bytes <= budget
             assert r.peak_bytes <= 1.02 * r.predicted_peak_bytes, "measured peak strays from the prediction"
-            assert r.step_seconds > 0 and r.setup_seconds > 0
+            assert r.baseline == "eager" and r.predicted_overhead >= 0 and math.isfinite(r.overhead)
         else:
             assert "infeasible" in r.note
     assert any(r.ran for r in planned)

@@ -7,6 +7,7 @@ GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 
 
 from tests.console import run
+from tests.test_cache import read_only  # noqa: F401 - a fixture
 
 
 def test_graph_of_a_builtin_model_as_json():
@@ -171,3 +172,57 @@ def test_plan_one_rank_of_a_data_parallel_job(tmp_path):
                       (["--ddp", "--fsdp", "blocks.*", "--world", "2"], "one of --fsdp and --ddp")):
         refused = run("plan", "--model", "gpt-tiny", "--budget", "0.9", *bad)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+
+
+def one_line_error(result) -> str:
+    """The error of a command refused as bad input: exit status 2, one line on stderr."""
+    assert result.returncode == 2, result
+    assert result.stderr.startswith("optremat: error: ") and result.stderr.strip().count("\n") == 0, result.stderr
+    return result.stderr
+
+
+def test_plan_refuses_bad_options_with_one_line_before_loading_the_model(tmp_path, monkeypatch):
+    import optremat.models
+
+    def load(*args):
+        raise AssertionError("bad options must be refused before the model is loaded")
+
+    monkeypatch.setattr(optremat.models, "load", load)
+    plan = ("plan", "--budget", "0.9")
+    for args, says in ((("--model", ""), "--model is empty"), (("--graph", " "), "--graph is empty"),
+                       (("--model", "mlp-tiny", "--workers", "-3"), "--workers must be >= 0"),
+                       (("--model", "mlp-tiny", "--time-limit", "0"), "--time-limit must be a number of seconds > 0"),
+                       (("--model", "mlp-tiny", "--time-limit", "nan"), "--time-limit must be"),
+                       (("--model", "mlp-tiny", "--save", str(tmp_path / "no" / "plan.json")),
+                        f"directory {tmp_path / 'no'} does not exist"),
+                       (("--model", "mlp-tiny", "--save", str(tmp_path)), "is a directory")):
+        assert says in one_line_error(run(*plan, *args)), args
+    assert "budget '1.5' is neither" in one_line_error(run("plan", "--model", "mlp-tiny", "--budget", "1.5"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_show_refuses_what_is_not_a_saved_plan_with_one_line(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    made = run("plan", "--model", "resnet-tiny", "--budget", "0.9", "--time-limit", "2", "--deterministic",
+               "--save", str(plan_file), "--json")
+    assert made.returncode == 0, made.stderr
+    data = json.loads(plan_file.read_text())
+    data["regions"][0][1] += 1
+    (tmp_path / "edited.json").write_text(json.dumps(data))
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    (tmp_path / "broken.json").write_text("{")
+    for name, says in (("edited.json", "was changed after it was saved"), ("list.json", "one JSON object, not a list"),
+                       ("broken.json", "is not valid JSON"), ("missing.json", "No such file")):
+        error = one_line_error(run("show", str(tmp_path / name)))
+        assert says in error and name in error, error
+
+
+def test_a_plan_that_cannot_be_saved_is_printed_then_the_error(tmp_path, read_only):
+    target = tmp_path / "plans"
+    target.mkdir()
+    read_only(target)
+    result = run("plan", "--model", "resnet-tiny", "--budget", "0.9", "--time-limit", "2", "--deterministic",
+                 "--save", str(target / "plan.json"))
+    assert "predicted peak" in result.stdout and "plan written" not in result.stdout
+    assert f"cannot write {target / 'plan.json'}: Permission denied" in one_line_error(result)
+    assert list(target.iterdir()) == []
