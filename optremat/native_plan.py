@@ -110,12 +110,21 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
     under FSDP no region spans two of its units."""
     graph = traced.graph if parallel is None else per_rank(traced.graph, traced.parameters(model), parallel)
     sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
-                 for path, module in model.named_modules() if isinstance(module, nn.Sequential)}
+                 for path, module in model.named_modules() if runs_its_children(module)}
     unit = unit_of(graph, parallel.units) if isinstance(parallel, FSDP) else None
     profile = device_profile(device)
     return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
                      profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds)
 
+
+def runs_its_children(module: nn.Module) -> bool:
+    """Whether `module` is an nn.Sequential that runs nn.Sequential's own forward, so that
+    a run of its children computes exactly what the module computes over them (a
+    subclass with its own forward, a residual stack say, computes more, and a forward
+    another library wrapped around it does more). An installed plan's forward stands for
+    the one it replaced."""
+    forward = getattr(module.forward, "replaced", module.forward)
+    return isinstance(module, nn.Sequential) and getattr(forward, "__func__", None) is nn.Sequential.forward
 
 
 def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions: Sequence[Region], *,
@@ -140,7 +149,7 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
                 predicted_overhead=priced.overhead, solver="given", status=HEURISTIC, lower_bound=None,
                 solve_seconds=time.perf_counter() - started, solver_overhead=priced.overhead,
                 training=model.training, mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn),
-                parallel=parallel)
+                parallel=parallel, cost_model=cost_model, device=str(device_name))
 
 
 def reprice(plan: Plan, model: nn.Module, example_inputs: Sequence[Any] | Any,
@@ -149,7 +158,8 @@ def reprice(plan: Plan, model: nn.Module, example_inputs: Sequence[Any] | Any,
     the peak and overhead they have there (the budget becomes that peak)."""
     if plan.runtime != "native":
         raise ValueError(f"only native plans run at other shapes; this one is {plan.runtime!r}")
-    priced = price_regions(model, example_inputs, plan.regions, loss_fn=loss_fn, parallel=plan.parallel)
+    priced = price_regions(model, example_inputs, plan.regions, loss_fn=loss_fn, parallel=plan.parallel,
+                           cost_model=plan.cost_model, device=plan.device)
     return replace(plan, graph=priced.graph, schedule=priced.schedule, budget_bytes=priced.budget_bytes,
                    predicted_peak_bytes=priced.predicted_peak_bytes, baseline_peak_bytes=priced.baseline_peak_bytes,
                    predicted_overhead=priced.predicted_overhead, solver_overhead=priced.solver_overhead,

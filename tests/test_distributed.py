@@ -140,3 +140,29 @@ def test_a_transformers_llama_under_a_per_rank_plan(parallel: FSDP | DDP) -> Non
         assert measured <= 1.05 * budget and abs(measured - predicted) <= 0.10 * predicted, (budget, predicted, measured)
     for name, p in model.named_parameters():
         np.testing.assert_allclose(ranks[0][4][name], p.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def replanning_rank() -> tuple[str, str]:
+    """One DDP rank replanning at a new batch size: first the same size on both ranks, then
+    rank 1 at another: (the new shape's regions, the warning at the mismatched shape)."""
+    import warnings
+
+    rank = dist.get_rank()
+    example = build("gpt-tiny")
+    loss_fn = lambda out: out.square().mean()  # noqa: E731 - the same loss at every batch size
+    made = optremat.distributed.plan(example.model, example.inputs, 0.95, DDP(), loss_fn=loss_fn, time_limit=1)
+    replan = optremat.Replanning(0.95, loss_fn=loss_fn, time_limit=1)
+    optremat.apply(example.model, made, replan=replan)
+    tokens = example.inputs[0]
+    example.model(torch.cat([tokens, tokens]))
+    (regions,) = [p.regions for key, p in replan.plans.items() if p is not made]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        example.model(tokens[:1 + rank])
+    return repr([r.to_json() for r in regions]), " ".join(str(w.message) for w in caught)
+
+
+def test_replanning_under_a_process_group_plans_every_rank_alike() -> None:
+    first, second = run_local(replanning_rank, WORLD)
+    assert first[0] == second[0]
+    assert "rank 1 on int64[2, 32]" in first[1] and "rank 0 on int64[1, 32]" in second[1]

@@ -21,7 +21,13 @@ _COMPARED = ("solver", "time_limit", "cost_model", "device", "workers", "seed", 
 
 
 class PlanningFailed(RuntimeError):
-    """Rank 0 could not plan; every rank raises this, with rank 0's reason."""
+    """Rank 0 could not plan; the other ranks raise this, with rank 0's reason. `refused`
+    says rank 0 raised a ValueError (a budget no plan fits, ranks that disagree), where
+    rank 0 refused the request rather than failed."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, parallel: Parallel, *,
@@ -47,14 +53,14 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
             message = [made.to_json()]
         except Exception as error:  # noqa: BLE001 - sent to every rank before it is raised here
             failure = error
-            message = [{"error": f"{type(error).__name__}: {error}"}]
+            message = [{"error": f"{type(error).__name__}: {error}", "refused": isinstance(error, ValueError)}]
     else:
         message = [None]
     dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     if failure is not None:
         raise failure
     if "error" in message[0]:
-        raise PlanningFailed(f"planning on rank 0 failed: {message[0]['error']}")
+        raise PlanningFailed(f"planning on rank 0 failed: {message[0]['error']}", message[0]["refused"])
     return made if made is not None else Plan.from_json(message[0])
 
 

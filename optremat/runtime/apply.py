@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -9,10 +10,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optremat.budget import check_budget
+from optremat.distributed.agree import PlanningFailed
+from optremat.distributed.agree import plan as plan_every_rank
 from optremat.extract import tensor_type
 from optremat.plan import Plan
 from optremat.planning import plan as make_plan
@@ -28,8 +32,12 @@ class Replanning:
     """Plan again on the first training step at each new input shape (batch size,
     sequence length), at `budget`: bytes or a size hold for every shape, a fraction is of
     each shape's unplanned peak; None keeps the applied plan's budget in bytes. The other
-    fields are `plan()`'s; with `cache`, a shape planned once loads in later runs. A shape
-    no plan fits runs the plan applied, with a warning naming the smallest budget.
+    fields are `plan()`'s, and ops are priced as the applied plan priced them (its
+    `cost_model` and `device`); with `cache`, a shape planned once loads in later runs. A shape
+    no plan fits runs the plan applied, with a warning naming the smallest budget. A plan
+    for a data-parallel job, inside a process group, is made for every rank as
+    `optremat.distributed.plan` makes it (ranks agree, rank 0 plans): every rank must then
+    meet each new input shape at the same step.
     `plans` holds the plan made for each shape, by its inputs' tensor types."""
 
     budget: int | float | str | None = None
@@ -47,20 +55,28 @@ class Replanning:
 
     def chooser(self, model: nn.Module, applied: Plan) -> native.Choose:
         """What picks the regions of `model`'s forward for its inputs, `applied` first."""
-        def choose(args: tuple) -> tuple[Region, ...]:
-            key = tuple(tensor_type(leaf) for leaf in tree_leaves(args))
-            if key not in self.plans:
-                self.plans[key] = applied if _planned_for(applied, key) else self._plan(model, args, applied, key)
-            return self.plans[key].regions
+        return functools.partial(self._choose, model, applied)
 
-        return choose
+    def _choose(self, model: nn.Module, applied: Plan, args: tuple) -> tuple[Region, ...]:
+        key = tuple(tensor_type(leaf) for leaf in tree_leaves(args))
+        if _in_a_group(applied) and not _every_rank_has(key):
+            return applied.regions
+        if key not in self.plans:
+            self.plans[key] = applied if _planned_for(applied, key) else self._plan(model, args, applied, key)
+        return self.plans[key].regions
 
     def _plan(self, model: nn.Module, args: tuple, applied: Plan, key: tuple[str, ...]) -> Plan:
         budget = applied.budget_bytes if self.budget is None else self.budget
+        options = dict(loss_fn=self.loss_fn, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
+                       cost_model=applied.cost_model, device=applied.device)
         try:
-            made = make_plan(model, args, budget, loss_fn=self.loss_fn, cache=self.cache, solver=self.solver,
-                             time_limit=self.time_limit, parallel=applied.parallel)
-        except ValueError as error:  # InfeasibleBudget, or a budget below what every step holds
+            if _in_a_group(applied):
+                made = plan_every_rank(model, args, budget, applied.parallel, **options)
+            else:
+                made = make_plan(model, args, budget, parallel=applied.parallel, **options)
+        except (ValueError, PlanningFailed) as error:  # InfeasibleBudget, a budget below what every step holds
+            if isinstance(error, PlanningFailed) and not error.refused:
+                raise
             warnings.warn(f"optremat: inputs {', '.join(key)}: {error}; running the plan applied", stacklevel=4)
             return applied
         log.info("optremat: inputs %s planned: %s", ", ".join(key), made.summary().splitlines()[0])
@@ -85,6 +101,23 @@ def apply(model: nn.Module, plan: Plan, *, replan: Replanning | None = None) -> 
 def remove(model: nn.Module) -> nn.Module:
     """Take an installed plan off `model`; returns `model`, as it was before `apply`."""
     return native.remove(model)
+
+
+def _in_a_group(plan: Plan) -> bool:
+    """Whether `plan` is for a data-parallel job running in a process group now."""
+    return plan.parallel is not None and dist.is_available() and dist.is_initialized()
+
+
+def _every_rank_has(key: tuple[str, ...]) -> bool:
+    """Whether every rank of the default group steps on inputs of these types; warns if not."""
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    differ = next((rank for rank, theirs in enumerate(keys) if theirs != key), None)
+    if differ is not None:
+        warnings.warn(f"optremat: rank {dist.get_rank()} steps on inputs {', '.join(key)} and rank {differ} on "
+                      f"{', '.join(keys[differ])}: every rank runs the plan applied at this step, so that all run "
+                      "the same regions", stacklevel=5)
+    return differ is None
 
 
 def _planned_for(plan: Plan, key: tuple[str, ...]) -> bool:

@@ -9,14 +9,19 @@ untouched, and a plan keyed by module call and op occurrence holds at any input 
 
 Two pieces of state must not change when a region reruns: checkpoint restores the RNG
 state, so random ops (never saved by a plan) draw the same numbers; and buffers the
-forward writes in place (BatchNorm's running statistics) are swapped for scratch copies
-while the region reruns, so a step updates them once, as the unplanned step does.
+forward writes (BatchNorm's running statistics, a counter reassigned) are swapped, while
+the region reruns, for copies of what they held when the region first ran, so the rerun
+computes what the forward computed and a step updates them once, as the unplanned step does.
+
+A plan is checked against the model before anything is installed (`install`), and the
+installed model pickles and loads with its plan (`torch.save(model)`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import warnings
 from collections import Counter
@@ -28,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from optremat.extract import tracing
 from optremat.fingerprint import model_fingerprint
+from optremat.native_plan import runs_its_children
 from optremat.regions import Region, parse_span
 
 _RUNTIME = "_optremat_runtime"
@@ -45,20 +51,21 @@ Choose = Callable[[tuple], "tuple[Region, ...]"]
 class _Runtime:
     """A model's installed plan: its regions by (module path, call) (for a span of a
     Sequential's children, a list of (start, stop, region)), the mode it was made for,
-    how many calls of each planned module the current forward has made, and what picks
-    the regions for a forward's inputs, if anything does."""
+    how many calls of each planned module the current step has made, whether the
+    current step runs planned, and what picks the regions for a step's inputs, if anything."""
 
-    def __init__(self, regions: tuple[Region, ...], training: bool, hook: Any, choose: Choose | None,
+    def __init__(self, regions: tuple[Region, ...], training: bool, choose: Choose | None,
                  mutated_buffers: tuple[str, ...]) -> None:
         self.training = training
-        self.hook = hook
         self.choose = choose
         self.mutated_buffers = mutated_buffers
         self.calls: Counter[str] = Counter()
+        self.active = False
+        self.warned = False
         self.use(regions)
 
     def use(self, regions: tuple[Region, ...]) -> None:
-        """Run later forwards under `regions` (their modules must be taken over)."""
+        """Run later steps under `regions` (their modules must be taken over)."""
         self.regions: dict[tuple[str, int], Region] = {}
         self.spans: dict[tuple[str, int], list[tuple[int, int, Region]]] = {}
         for region in regions:
@@ -75,94 +82,191 @@ class _Runtime:
 
     @property
     def paths(self) -> list[str]:
-        """Modules whose forward the plan takes over."""
-        return list(dict.fromkeys([path for path, _ in self.regions] + [path for path, _ in self.spans]))
+        """Modules whose forward the plan takes over: the model itself, which starts each
+        step, and every planned module."""
+        return list(dict.fromkeys([""] + [path for path, _ in self.regions] + [path for path, _ in self.spans]))
+
+    @contextlib.contextmanager
+    def step(self, model: nn.Module, args: tuple) -> Iterator[None]:
+        """One call of the model: counts start again, the plan runs when the model is in
+        the mode it was planned in, with gradients on and no trace under way, and a
+        chooser picks the regions for these inputs."""
+        outer = self.active
+        self.calls.clear()
+        self.active = not tracing() and torch.is_grad_enabled() and model.training == self.training
+        if not tracing() and torch.is_grad_enabled() and model.training != self.training:
+            self._warn_mode(model)
+        if self.active and self.choose is not None:
+            self.use(self.choose(args))
+            for path in self.paths:
+                _take_over(model, path)
+        try:
+            yield
+        finally:
+            self.active = outer
+
+    def _warn_mode(self, model: nn.Module) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        mode = ("train", "eval") if self.training else ("eval", "train")
+        warnings.warn(f"optremat: the plan on {type(model).__name__} was made in {mode[0]} mode and the model runs "
+                      f"in {mode[1]} mode with gradients on: these steps run unplanned; plan again in "
+                      f"{mode[1]} mode (model.{mode[1]}()) to plan them", stacklevel=5)
 
 
 class _RegionState:
-    """What a checkpointed module keeps: its path, its forward before the plan, the
-    buffers its forward writes, and the model's runtime."""
+    """What a taken-over module keeps: its path, its forward before the plan, whether
+    that forward was its own attribute, the buffers its forward writes, and the model's
+    runtime (None once the plan is removed while a later wrapper still calls through)."""
 
-    def __init__(self, path: str, forward: Any, owned: bool, mutated: tuple[str, ...], runtime: _Runtime) -> None:
+    def __init__(self, path: str, forward: Any, owned: bool, mutated: tuple[str, ...],
+                 runtime: _Runtime | None) -> None:
         self.path = path
         self.forward = forward
         self.owned = owned
         self.mutated = mutated
         self.runtime = runtime
 
+    def original(self, module: nn.Module) -> Callable:
+        """The module's forward as it was before the plan."""
+        return self.forward if self.owned else types.MethodType(self.forward, module)
+
+
+class _PlannedForward:
+    """A taken-over module's `forward`: its calls go through the plan. An object rather
+    than a bound function so that the model pickles (a bound method pickles as an
+    attribute lookup the loading side cannot do); it shows the signature of the forward
+    it stands for, which trainers read to pick a batch's columns."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _region_forward(self.module, *args, **kwargs)
+
+    @property
+    def replaced(self) -> Callable:
+        """The module's forward as it was before the plan."""
+        return getattr(self.module, _REGION).original(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.replaced)
+
 
 def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fingerprint: str,
             mutated_buffers: tuple[str, ...] = (), choose: Choose | None = None) -> nn.Module:
     """Run `model`'s training steps under `regions`, or under those `choose` picks for a
-    forward's inputs; returns `model` itself."""
+    step's inputs; returns `model` itself. Raises PlanMismatch, installing nothing, when
+    the plan does not fit the model."""
     if fingerprint != model_fingerprint(model):
         raise PlanMismatch(f"this plan was made for another model (fingerprint {fingerprint}, this model gives "
                            f"{model_fingerprint(model)}); plan again")
+    check(model, regions, mutated_buffers)
     if regions and getattr(getattr(model, "config", None), "use_cache", False):
         warnings.warn("optremat: model.config.use_cache is True: a checkpointed call that writes into a key/value "
                       "cache created outside it sees another cache when it reruns, and checkpoint raises; set "
                       "use_cache=False for training, as transformers' own gradient checkpointing does", stacklevel=3)
     remove(model)
-    runtime = _Runtime(regions, training, model.register_forward_pre_hook(_new_forward), choose, mutated_buffers)
+    runtime = _Runtime(regions, training, choose, mutated_buffers)
     setattr(model, _RUNTIME, runtime)
-    # a chooser may make the model itself a region after its forward was looked up: take it over now
-    for path in runtime.paths + ([""] if choose is not None else []):
+    for path in runtime.paths:
         _take_over(model, path)
     return model
+
+
+def check(model: nn.Module, regions: tuple[Region, ...], mutated_buffers: tuple[str, ...]) -> None:
+    """Raise PlanMismatch naming the first region or buffer of a plan that `model` cannot
+    run as the plan says: a module path it lacks, a span of children of a module that is
+    not a plain nn.Sequential (a subclass with its own forward computes more than its
+    children) or outside its children, a negative call, a buffer it lacks."""
+    for region in regions:
+        span = parse_span(region.path)
+        path = region.path if span is None else span[0]
+        where = repr(path) if path else "the model itself"
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise PlanMismatch(f"the plan checkpoints {region.path!r}, and {type(model).__name__} has no module "
+                               f"{path!r}; plan again for this model") from None
+        if region.call < 0:
+            raise PlanMismatch(f"the plan checkpoints call {region.call} of {region.path!r}: calls count from 0")
+        if span is not None and not runs_its_children(module):
+            raise PlanMismatch(f"the plan checkpoints children {span[1]}..{span[2] - 1} of {where} as a run, and "
+                               f"{type(module).__name__} is not a plain nn.Sequential (its forward may compute more "
+                               "than its children); plan again")
+        if span is not None and not 0 <= span[1] < span[2] <= len(module):
+            raise PlanMismatch(f"the plan checkpoints children {span[1]}..{span[2] - 1} of {where}, which has "
+                               f"{len(module)}; plan again")
+    buffers = dict(model.named_buffers())
+    missing = [name for name in mutated_buffers if name not in buffers]
+    if missing:
+        raise PlanMismatch(f"the plan protects buffer {missing[0]!r}, and {type(model).__name__} has none of "
+                           "that name; plan again")
 
 
 def _take_over(model: nn.Module, path: str) -> None:
     """Route the module at `path` through `_region_forward` (once)."""
     runtime: _Runtime = getattr(model, _RUNTIME)
     module = model.get_submodule(path)
-    if _REGION in module.__dict__:
-        return
-    owned = "forward" in module.__dict__
     prefix = f"{path}." if path else ""
     mutated = tuple(name.removeprefix(prefix) for name in runtime.mutated_buffers if name.startswith(prefix))
+    state = module.__dict__.get(_REGION)
+    if state is not None:
+        state.runtime, state.mutated = runtime, mutated
+        return
+    owned = "forward" in module.__dict__
     setattr(module, _REGION, _RegionState(path, module.forward if owned else type(module).forward, owned,
                                           mutated, runtime))
-    module.forward = types.MethodType(_region_forward, module)
+    module.forward = _PlannedForward(module)
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo `install`: the model runs as it did before the plan; returns `model`."""
-    runtime = getattr(model, _RUNTIME, None)
-    if runtime is None:
+    """Undo `install`: the model runs as it did before the plan; returns `model`. A
+    forward another library wrapped around the plan's since (accelerate's hooks) stays,
+    and calls through to the module's own forward."""
+    if getattr(model, _RUNTIME, None) is None:
         return model
-    runtime.hook.remove()
     for module in model.modules():
-        state = module.__dict__.pop(_REGION, None)
-        if state is not None:
-            if state.owned:
-                module.forward = state.forward
-            else:
-                del module.forward
+        state = module.__dict__.get(_REGION)
+        if state is None:
+            continue
+        if not isinstance(module.__dict__.get("forward"), _PlannedForward):
+            state.runtime = None
+            continue
+        del module.__dict__[_REGION]
+        if state.owned:
+            module.forward = state.forward
+        else:
+            del module.forward
     delattr(model, _RUNTIME)
     return model
 
 
-def _new_forward(model: nn.Module, args: tuple) -> None:
-    runtime: _Runtime = getattr(model, _RUNTIME)
-    runtime.calls.clear()
-    if (runtime.choose is not None and not tracing() and torch.is_grad_enabled()
-            and model.training == runtime.training):
-        runtime.use(runtime.choose(args))
-        for path in runtime.paths:
-            _take_over(model, path)
-
-
 def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: _RegionState = getattr(module, _REGION)
-    original = state.forward if state.owned else types.MethodType(state.forward, module)
-    if tracing() or not torch.is_grad_enabled() or module.training != state.runtime.training:
+    original = state.original(module)
+    runtime = state.runtime
+    if runtime is None:
         return original(*args, **kwargs)
-    call = state.runtime.next_call(state.path)
-    region = state.runtime.regions.get((state.path, call))
+    if state.path == "":
+        with runtime.step(module, args):
+            return _planned(module, state, runtime, original, *args, **kwargs)
+    return _planned(module, state, runtime, original, *args, **kwargs)
+
+
+def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original: Callable, *args: Any,
+             **kwargs: Any) -> Any:
+    """One call of a taken-over module within a step: under checkpoint if the plan says so."""
+    if not runtime.active or not torch.is_grad_enabled():
+        return original(*args, **kwargs)
+    call = runtime.next_call(state.path)
+    region = runtime.regions.get((state.path, call))
     if region is not None:
         return checkpoint(original, *args, use_reentrant=False, context_fn=_context_fn(module, state.mutated, region),
                           **kwargs)
-    spans = state.runtime.spans.get((state.path, call))
+    spans = runtime.spans.get((state.path, call))
     if spans is None:
         return original(*args, **kwargs)
     return _run_spans(module, state, {start: (stop, region) for start, stop, region in spans}, *args, **kwargs)
@@ -199,25 +303,31 @@ def _context_fn(module: nn.Module, mutated: tuple[str, ...], region: Region) -> 
 
 
 def _contexts(region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
-    """The forward's and the recomputation's contexts for one call of a region. Under
+    """The forward's and the recomputation's contexts for one call of a region, made as
+    the call starts (so the buffers it writes are copied as they are then). Under
     torch.compile the policy marks the traced ops and the partitioner recomputes them (no
     Python rerun, so no scratch buffers), and dynamo takes only selective policies' contexts."""
     if torch.compiler.is_compiling():
         return create_selective_checkpoint_contexts(_policy(region.saved))
+    held = [(owner, name, owner._buffers[name].detach().clone()) for owner, name in buffers
+            if owner._buffers.get(name) is not None]
     if not region.saved:
-        return contextlib.nullcontext(), _scratch(buffers)
+        return contextlib.nullcontext(), _scratch(held)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
-    return forward, _rerun(_scratch(buffers), recompute)
+    return forward, _rerun(_scratch(held), recompute)
 
 
 def _policy(saved: frozenset[tuple[str, int]]) -> Any:
-    """Save the outputs of the ops keyed in `saved`, recompute every other op."""
-    seen: Counter[str] = Counter()
+    """Save the outputs of the ops keyed in `saved`, recompute every other op. The forward
+    and a recomputation count occurrences apart, so a PyTorch that asks the policy again
+    while recomputing gets the same answers."""
+    seen: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         op = str(func).removeprefix("aten.")
-        key = (op, seen[op])
-        seen[op] += 1
+        counts = seen[bool(ctx.is_recompute)]
+        key = (op, counts[op])
+        counts[op] += 1
         return CheckpointPolicy.MUST_SAVE if key in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
@@ -231,14 +341,15 @@ def _rerun(scratch: Any, recompute: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _scratch(buffers: list[tuple[nn.Module, str]]) -> Iterator[None]:
-    """Swaps the named buffers for copies while a region reruns, so the rerun's in-place
-    writes (BatchNorm's running statistics) do not reach the model."""
-    real = [owner._buffers[name] for owner, name in buffers]
-    for (owner, name), tensor in zip(buffers, real):
-        owner._buffers[name] = tensor.detach().clone()
+def _scratch(held: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
+    """While a region reruns, each buffer it writes holds a copy of what it held when the
+    region first ran: the rerun reads what the forward read, and its writes (in place or
+    by reassignment) do not reach the model."""
+    real = [owner._buffers[name] for owner, name, _ in held]
+    for owner, name, before in held:
+        owner._buffers[name] = before.clone()
     try:
         yield
     finally:
-        for (owner, name), tensor in zip(buffers, real):
+        for (owner, name, _), tensor in zip(held, real):
             owner._buffers[name] = tensor

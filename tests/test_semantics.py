@@ -1,0 +1,220 @@
+"""A plan never changes what the model computes (DESIGN.md, semantics 7): a module's own
+forward runs, buffers change once per step, a plan runs in every training step it was
+made for and says so when it cannot, a plan that does not fit the model is refused before
+anything is installed, and a planned model saved whole loads and trains the same."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import optremat
+from optremat.regions import Region
+
+
+class Residual(nn.Sequential):
+    """A residual stack written as users write it: a Sequential whose forward adds its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
+class Counter(nn.Module):
+    """A block that counts its calls in a buffer updated by reassignment and uses the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        return torch.tanh(self.lin(x)) * self.steps
+
+
+def residual_stack() -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [Residual(*[layer for _ in range(2) for layer in (nn.Linear(128, 128), nn.Tanh())]) for _ in range(4)]
+    return nn.Sequential(nn.Linear(128, 128), *blocks, nn.Linear(128, 10)).double()
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+X = torch.randn(2048, 128, dtype=torch.float64)
+
+
+def step(model: nn.Module, inputs: tuple, call=None) -> tuple[float, dict, dict]:
+    """The loss, gradients and buffers after one step of `model` (through `call` if given)."""
+    for p in model.parameters():
+        p.grad = None
+    loss = loss_fn((call or model)(*inputs))
+    loss.backward()
+    return (loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()},
+            {k: b.clone() for k, b in model.named_buffers()})
+
+
+def assert_same(got: tuple, want: tuple) -> None:
+    assert got[0] == pytest.approx(want[0], rel=1e-12)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+    for name, buffer in want[2].items():
+        assert torch.equal(got[2][name], buffer), f"buffer {name} differs after the step"
+
+
+def saved_outside_regions(model: nn.Module, inputs: tuple, call=None) -> int:
+    """Bytes autograd saves for the backward outside checkpointed regions in one forward
+    (a region's own saved tensors pass through checkpoint's hooks, not these)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        (call or model)(*inputs)
+    return total
+
+
+def planned_residual() -> tuple[nn.Module, optremat.Plan, tuple]:
+    model = residual_stack()
+    plan = optremat.plan(model, (X,), 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions, "the test needs a plan that checkpoints something"
+    return model, plan, (X,)
+
+
+def test_a_sequential_subclass_with_its_own_forward_keeps_its_maths() -> None:
+    model, plan, inputs = planned_residual()
+    residuals = {str(k) for k, m in enumerate(model) if isinstance(m, Residual)}
+    for region in plan.regions:
+        assert region.path.split("[")[0] not in residuals, f"{region.path} runs a Residual's children without it"
+    state = copy.deepcopy(model.state_dict())
+    want = step(model, inputs)
+    model.load_state_dict(state)
+    assert_same(step(optremat.apply(model, plan), inputs), want)
+
+
+def test_a_span_over_a_sequential_subclass_is_refused_before_installing() -> None:
+    model, plan, inputs = planned_residual()
+    bad = Region("1[0:2]", 0)
+    with pytest.raises(optremat.PlanMismatch, match="not a plain nn.Sequential"):
+        optremat.apply(model, optremat.Plan(**{**plan.__dict__, "regions": plan.regions + (bad,)}))
+    assert "forward" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("region, match", [(Region("no.such.module", 0), "has no module"),
+                                           (Region("[0:9]", 0), "which has 6"),
+                                           (Region("0", -1), "count from 0")])
+def test_a_plan_that_does_not_fit_the_model_installs_nothing(region: Region, match: str) -> None:
+    model, plan, inputs = planned_residual()
+    with pytest.raises(optremat.PlanMismatch, match=match):
+        optremat.apply(model, optremat.Plan(**{**plan.__dict__, "regions": plan.regions + (region,)}))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with pytest.raises(optremat.PlanMismatch, match="buffer"):
+        optremat.apply(model, optremat.Plan(**{**plan.__dict__, "mutated_buffers": ("0.nothing",)}))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_direct_forward_calls_and_frozen_submodules_run_the_plan() -> None:
+    model, plan, inputs = planned_residual()
+    unplanned = saved_outside_regions(model, inputs)
+    optremat.apply(model, plan)
+    planned = saved_outside_regions(model, inputs)
+    assert planned < unplanned
+    assert saved_outside_regions(model, inputs, call=model.forward) == planned
+    model[0].eval()
+    assert saved_outside_regions(model, inputs) == planned, "a submodule in eval mode turned the plan off"
+    model[0].train()
+
+
+def test_a_plan_for_another_mode_warns_when_planned_and_when_it_cannot_run() -> None:
+    model = residual_stack().eval()
+    with pytest.warns(UserWarning, match="eval mode"):
+        plan = optremat.plan(model, (X,), 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    optremat.apply(model.train(), plan)
+    with pytest.warns(UserWarning, match="run unplanned"):
+        model(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(X)
+        with torch.no_grad():
+            model.eval()(X)
+
+
+def test_a_buffer_reassigned_in_a_checkpointed_call_changes_once_and_reruns_as_it_ran() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Counter() for _ in range(4)], nn.Linear(64, 2)).double()
+    inputs = (torch.randn(512, 64, dtype=torch.float64),)
+    state = copy.deepcopy(model.state_dict())
+    want = step(model, inputs)
+    plan = optremat.price_regions(model, inputs, [Region(str(k), 0) for k in range(4)], loss_fn=loss_fn)
+    assert {f"{k}.steps" for k in range(4)} <= set(plan.mutated_buffers)
+    model.load_state_dict(state)
+    assert_same(step(optremat.apply(model, plan), inputs), want)
+
+
+def test_a_planned_model_saved_whole_loads_and_trains_the_same() -> None:
+    model, plan, inputs = planned_residual()
+    optremat.apply(model, plan)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert saved_outside_regions(loaded, inputs) == saved_outside_regions(model, inputs)
+    assert_same(step(loaded, inputs), step(model, inputs))
+    optremat.remove(loaded)
+    assert not any("forward" in m.__dict__ for m in loaded.modules())
+
+
+def test_remove_keeps_a_forward_wrapped_around_the_plan() -> None:
+    model, plan, inputs = planned_residual()
+    want = step(copy.deepcopy(model), inputs)
+    optremat.apply(model, plan)
+    planned = model.forward
+    calls = []
+    model.forward = functools.partial(lambda module, *args: calls.append(1) or planned(*args), model)
+    optremat.remove(model)
+    assert_same(step(model, inputs), want)
+    assert calls == [1], "remove() undid a wrapper installed after the plan"
+
+
+def test_a_planned_forward_shows_the_models_signature() -> None:
+    model, plan, _ = planned_residual()
+    before = inspect.signature(model.forward)
+    optremat.apply(model, plan)
+    assert inspect.signature(model.forward) == before
+
+
+def test_the_selective_policy_counts_a_recomputation_apart_from_the_forward() -> None:
+    from optremat.runtime.native import _policy  # the policy PyTorch versions differ in calling
+
+    class Ctx:
+        def __init__(self, is_recompute: bool) -> None:
+            self.is_recompute = is_recompute
+
+    policy = _policy(frozenset({("mm.default", 1)}))
+    mm = torch.ops.aten.mm.default
+    forward = [policy(Ctx(False), mm) for _ in range(3)]
+    again = [policy(Ctx(True), mm) for _ in range(3)]
+    assert forward == again
+    assert [p.name for p in forward] == ["PREFER_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE"]
+
+
+def test_replanning_prices_a_new_shape_as_the_applied_plan_was_priced() -> None:
+    model = residual_stack()
+    plan = optremat.plan(model, (X,), 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True, device="h100",
+                         cost_model="roofline")
+    replan = optremat.Replanning(0.8, loss_fn=loss_fn, time_limit=5)
+    optremat.apply(model, plan, replan=replan)
+    model(X[:1024])
+    (made,) = [p for p in replan.plans.values() if p is not plan]
+    assert (made.device, made.cost_model) == ("h100", "roofline")
