@@ -108,7 +108,7 @@ def measure_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any],
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(loss_fn(model(*inputs)), params)
+        return torch.autograd.grad(loss_fn(model(*inputs)), params, allow_unused=True)
 
     step()
     return measure_peak(step, resident=[list(model.parameters()), list(model.buffers()), inputs], device=device)
