@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import re
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
@@ -61,22 +62,24 @@ class Traced:
 
 
 _MARK = "optremat"
-_TRACING: list[bool] = []
+_TRACING = threading.local()
+"""How many traces the current thread has under way: a trace runs the model on the thread
+that asked for it, so models other threads run meanwhile keep their plans."""
 
 
 def tracing() -> bool:
-    """Whether a step is being traced: an installed plan steps aside meanwhile, so a model
-    is traced as it is, whether or not a plan is on it."""
-    return bool(_TRACING)
+    """Whether this thread is tracing a step: an installed plan steps aside meanwhile, so a
+    model is traced as it is, whether or not a plan is on it."""
+    return getattr(_TRACING, "depth", 0) > 0
 
 
 @contextmanager
 def _tracing() -> Iterator[None]:
-    _TRACING.append(True)
+    _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
     try:
         yield
     finally:
-        _TRACING.pop()
+        _TRACING.depth -= 1
 
 
 def extract(
@@ -118,7 +121,7 @@ def trace(
     structure: dict[str, Any] = {}
 
     def step(params: dict, buffers: dict, inputs: tuple, grad_outputs: list) -> tuple:
-        out = torch.func.functional_call(model, (params, buffers), inputs)
+        out, structure["reassigned"] = _call(model, params, buffers, inputs)
         if loss_fn is not None:
             roots, root_grads = [loss_fn(out)], None
         else:
@@ -126,7 +129,7 @@ def trace(
         with _phase("backward"), _tag_grad_fns(roots):
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
-        return roots, grads
+        return roots, [g for g in grads if g is not None]
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
@@ -156,8 +159,8 @@ def trace(
     grad_of = _grad_of(gm, graph)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)))
-    return Traced(gm, graph, grad_of, structure["gradients"], calls, random,
-                  _mutated_buffers(gm, list(params), list(buffers)), gradient_nodes)
+    mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
+    return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes)
 
 
 def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
@@ -185,12 +188,20 @@ def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
 def assumed_loss(out: Any) -> torch.Tensor:
     """The loss a plan prices when none is given: a cross-entropy over the last dimension
     of the output's largest floating-point tensor, as a language model's or classifier's
-    loss is computed after the model (it holds a log-softmax and two gradients of the
-    output's size). Only the price depends on it: any loss trains under the plan."""
+    loss is computed after the model. A tensor of three or more dimensions is read as a
+    causal language model's logits and its loss as commonly written after the model,
+    `cross_entropy(logits[:, :-1].reshape(-1, V).float(), ids[:, 1:].reshape(-1))`: shifted
+    one position along dim -2 and flattened (a copy), in float32 (another copy of
+    lower-precision logits); a 2-D one as a classifier's. It holds those copies, a
+    log-softmax and two gradients of their size. The model's output counts until the
+    loss has read it, as when the caller does not hold it through the backward. Only
+    the price depends on it: any loss trains under the plan."""
     leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not leaves:
         raise ExtractionError("the model's output has no tensor that requires grad; pass loss_fn or check the model")
     logits = max(leaves, key=lambda t: t.numel())
+    if logits.dim() >= 3 and logits.shape[-2] > 1:
+        logits = logits[..., :-1, :]
     flat = logits.reshape(-1, logits.shape[-1]) if logits.dim() > 1 else logits.reshape(1, -1)
     target = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
     return nn.functional.cross_entropy(flat.float(), target)
@@ -237,9 +248,37 @@ def _fake_output(model: nn.Module, params: dict, buffers: dict, inputs: tuple) -
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        return torch.func.functional_call(model, ({k: fake(v) for k, v in params.items()},
-                                                  {k: fake(v) for k, v in buffers.items()}),
-                                          tuple(fake(x) for x in inputs))
+        return _call(model, {k: fake(v) for k, v in params.items()}, {k: fake(v) for k, v in buffers.items()},
+                     tuple(fake(x) for x in inputs))[0]
+
+
+def _call(model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+          inputs: tuple) -> tuple[Any, set[str]]:
+    """`model(*inputs)` with `params` and `buffers` (keyed as `named_parameters` and
+    `named_buffers` name them) in place of its own, and the names of the buffers its
+    forward reassigned (`self.steps = self.steps + 1`). Each module attribute holding a
+    tensor is set once: `functional_call`'s weight tying sets a module listed twice (in a
+    Sequential, say) twice and restores it to the tensor passed in, not the model's own,
+    while without tying an attribute tied to another module (an LM head sharing its
+    embedding's weight) would not be set at all."""
+    names = _attribute_names(model)
+    given = {**params, **buffers}
+    state = {path: given[name] for path, name in names.items()}
+    out = torch.func.functional_call(model, state, inputs, tie_weights=False)
+    reassigned = {names[path] for path, t in state.items() if names[path] in buffers and t is not given[names[path]]}
+    return out, reassigned
+
+
+def _attribute_names(model: nn.Module) -> dict[str, str]:
+    """Per module attribute holding a parameter or buffer (its path through the first path
+    of each distinct module), the tensor's name in `named_parameters` or `named_buffers`."""
+    canonical = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    names = {}
+    for path, module in model.named_modules():
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                names[f"{path}.{attr}" if path else attr] = canonical[id(t)]
+    return names
 
 
 def _set_custom(**fields: Any) -> None:
@@ -419,6 +458,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
     come from the fake tensors in `node.meta["val"]`."""
     index = {n: i for i, n in enumerate(fx_nodes)}
     owner: dict[StorageWeakRef, int] = {}
+    parts: dict[StorageWeakRef, int] = {}
     cols: dict[str, list] = {k: [] for k in ("names", "ops", "cost", "size", "backward", "kind", "module",
                                             "alias_of", "fusible", "workspace", "tensor")}
     edges = []
@@ -445,10 +485,17 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
             owner[r] = i
         size = sum(fresh.values())
         if node.target is operator.getitem and alias_of >= 0 and cols["alias_of"][alias_of] < 0:
-            size = sum(storages.values())
-            if size == 0:
-                # an empty output (cuDNN batch norm's reserve, say) keeps none of its op's other outputs alive
-                alias_of = -1
+            earlier = next((parts[r] for r in storages if r in parts), -1)
+            if earlier >= 0:
+                # the op returns one tensor twice (mkldnn_rnn_layer_backward's bias gradient): a view of the first
+                alias_of, size = earlier, 0
+                edges.append((earlier, i))
+            else:
+                size = sum(storages.values())
+                parts.update(dict.fromkeys(storages, i))
+                if size == 0:
+                    # an empty output (cuDNN batch norm's reserve, say) keeps none of its op's other outputs alive
+                    alias_of = -1
         target = node.target
         op_name = getattr(target, "__name__", str(target)) if node.op == "call_function" else node.op
         if hasattr(target, "_schema"):

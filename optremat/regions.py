@@ -119,21 +119,55 @@ class RegionMap:
 
     def _spans_of(self, stack: tuple[Call, ...]) -> list[Call]:
         """The span regions holding a node run under `stack`: for each Sequential call in it
-        (the model itself first), every span of the child the node runs in."""
-        calls = ((("", 0),) if "" in self.sequences else ()) + stack
+        (the model itself first) whose children run in order, every span of the child the
+        node runs in."""
         found = []
-        for (path, k), (child_path, _) in zip(calls, calls[1:]):
-            children = self.sequences.get(path)
-            if children is None or child_path not in children:
-                continue
-            child = children.index(child_path)
-            found += [(span_path(path, a, b), k) for tiling in _tilings(len(children)).values()
-                      for a, b in tiling if a <= child < b]
+        for call, _, child in self._sequential_steps(stack):
+            if call in self._in_order:
+                found += [(span_path(call[0], a, b), call[1])
+                          for tiling in _tilings(len(self.sequences[call[0]])).values()
+                          for a, b in tiling if a <= child < b]
         return list(dict.fromkeys(found))
 
+    def _sequential_steps(self, stack: tuple[Call, ...]) -> list[tuple[Call, Call, int]]:
+        """(Sequential call, the call below it, the index of the child that call runs) for
+        each Sequential call in `stack`, the model itself first; the index is -1 for a
+        call that is not one of its children by path."""
+        calls = ((("", 0),) if "" in self.sequences else ()) + stack
+        steps = []
+        for call, below in zip(calls, calls[1:]):
+            children = self.sequences.get(call[0])
+            if children is not None:
+                steps.append((call, below, children.index(below[0]) if below[0] in children else -1))
+        return steps
+
+    @cached_property
+    def _in_order(self) -> frozenset[Call]:
+        """The Sequential calls whose child calls run their children in order, each once (a
+        child with no ops may be missing), so that a span's ops are those of its children
+        as the runtime runs them. A module listed twice in a Sequential has one path, so
+        its second call reads as a step back, and that Sequential has no spans."""
+        runs: dict[Call, dict[Call, int]] = {}
+        for stack in self.calls:
+            for call, below, child in self._sequential_steps(stack):
+                runs.setdefault(call, {}).setdefault(below, child)
+        return frozenset(call for call, children in runs.items()
+                         if min(children.values()) >= 0 and _increasing(list(children.values())))
+
+    @cached_property
+    def _depth(self) -> dict[Call, int]:
+        """How deep each module call runs in the call tree: 0 for the model itself."""
+        depth = {("", 0): 0}
+        for stack in self.calls:
+            for d, call in enumerate(stack):
+                depth[call] = d + 1
+        return depth
+
     def structures(self) -> list[tuple[Call, ...]]:
-        """Candidate region sets: every module call at one depth of the call tree, and the
-        spans of one length over every Sequential call (less any that spans two units)."""
+        """Candidate region sets, each of calls that share no op: every module call at one
+        depth of the call tree, and the spans of one length over every Sequential call at
+        one depth (spans of Sequentials nested in one another overlap), less any call that
+        spans two units."""
         depth = max((len(stack) for stack in self.calls), default=0)
         found = []
         for d in range(depth):
@@ -141,7 +175,7 @@ class RegionMap:
                           if self._within_a_unit(call))
             if calls and calls not in found:
                 found.append(calls)
-        by_length: dict[int, list[Call]] = {}
+        by_length: dict[tuple[int, int], list[Call]] = {}
         for call in self.members:
             span = parse_span(call[0])
             if span is None or not self._within_a_unit(call):
@@ -149,9 +183,9 @@ class RegionMap:
             path, a, b = span
             for length, tiling in _tilings(len(self.sequences[path])).items():
                 if (a, b) in tiling:
-                    by_length.setdefault(length, []).append(call)
-        for length in sorted(by_length):
-            found.append(tuple(sorted(by_length[length], key=lambda c: int(self.members[c][0]))))
+                    by_length.setdefault((length, self._depth[(path, call[1])]), []).append(call)
+        for key in sorted(by_length):
+            found.append(tuple(sorted(by_length[key], key=lambda c: int(self.members[c][0]))))
         return found
 
     def candidates(self) -> tuple[Call, ...]:
@@ -233,6 +267,10 @@ class _Facts:
         return cls(backward_reads, last, unpacks, saved, ran, owner, overwritten, in_place)
 
 
+def _increasing(values: list[int]) -> bool:
+    return all(a < b for a, b in zip(values, values[1:]))
+
+
 def _tilings(count: int) -> dict[int, list[tuple[int, int]]]:
     """Ways to cut a Sequential of `count` children into runs of consecutive children: runs
     of 2, 3, 4 and about the square root of `count` children."""
@@ -248,10 +286,11 @@ class Rerun:
     `recomputable` nodes whose owner is not saved, stopping at `last` (the last op whose
     autograd node saves a tensor); its `external` inputs live until `released`. A policy
     may save the `saveable` ops (keyed, not random, not written over, up to `last`) and
-    must save the owners of `read_after` (outputs the backward reads after the call),
-    else the call cannot be checkpointed. `cost` is checkpoint's own bookkeeping (per
-    call and per saved tensor); `policy_looks` the ops a selective policy looks at, in
-    the forward and again in the rerun."""
+    must save the owners of `read_after` (outputs the backward reads after the call, and
+    results of the step, which the caller holds), else the call cannot be checkpointed.
+    `cost` is checkpoint's own bookkeeping (per call and per saved tensor);
+    `policy_looks` the ops a selective policy looks at, in the forward and again in the
+    rerun."""
 
     nodes: tuple[int, ...]
     last: int
@@ -288,8 +327,8 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
         recomputable=tuple(v for v in nodes if v <= stop and int(facts.owner[v]) in inside),
         saveable=frozenset(o for o in nodes if o in keys and o <= last and not rmap.random[o]
                            and not facts.overwritten[o]),
-        read_after=frozenset(v for v in nodes if v <= last and facts.backward_reads[v]
-                             and facts.last_forward_read[v] > end),
+        read_after=frozenset(v for v in nodes if v <= last and (graph.output[v] or facts.backward_reads[v]
+                                                                and facts.last_forward_read[v] > end)),
         external=tuple(sorted({p for v in nodes for p in graph.preds[v].tolist()
                                if p not in inside and not graph.pinned[p]})),
         cost=rmap.rerun_seconds + rmap.pack_seconds * sum(len(facts.saved[v]) for v in nodes),
@@ -297,8 +336,9 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
 
 
 def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lowering:
-    """The regions of `structure` that realise `kept` (forward nodes the backward should
-    find stored), and the schedule the runtime then executes."""
+    """The regions of `structure` (calls that share no op) that realise `kept` (forward
+    nodes the backward should find stored), and the schedule the runtime then executes."""
+    _check_disjoint(rmap, structure)
     graph = rmap.graph
     recompute: dict[int, list[int]] = {}
     held: dict[int, int] = {}
@@ -321,6 +361,18 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
         keys = rmap.keys(call)
         regions.append(Region(call[0], call[1], frozenset(keys[o] for o in saved_ops)))
     return Lowering(tuple(regions), _schedule(graph, recompute, held), runtime_cost)
+
+
+def _check_disjoint(rmap: RegionMap, structure: Sequence[Call]) -> None:
+    """Raise ValueError naming two calls of `structure` that share an op: a call nested in
+    another reruns within the other's rerun, which no schedule here prices."""
+    seen: dict[int, Call] = {}
+    for call in structure:
+        for v in rmap.members[call].tolist():
+            other = seen.setdefault(v, call)
+            if other != call:
+                raise ValueError(f"regions {other[0]!r} (call {other[1]}) and {call[0]!r} (call {call[1]}) share "
+                                 "ops; checkpoint one of them")
 
 
 def _region(rmap: RegionMap, rerun: Rerun, kept: np.ndarray) -> tuple[list[int], list[int]] | None:

@@ -212,3 +212,123 @@ def test_a_convolution_backward_is_priced_with_the_temporaries_it_allocates(stri
     step = measure_peak(lambda: kept.append(backward(grad, x, w))).peak_bytes
     outputs = sum(t.untyped_storage().nbytes() for t in kept[0])
     assert abs(step - outputs - workspace_bytes(node)) <= 0.05 * workspace_bytes(node)
+
+
+def test_an_op_returning_one_tensor_twice_counts_its_storage_once():
+    """An LSTM's backward (mkldnn_rnn_layer_backward) returns its bias gradient as two
+    outputs: the second is a view of the first, and the op's outputs add up to its size."""
+    model = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+    g = extract(model, (torch.randn(4, 6, 8),), lambda out: out[0].square().mean())
+    ops = [v for v in range(g.n) if g.ops[v] == "mkldnn_rnn_layer_backward.default"]
+    assert ops
+    for op in ops:
+        outputs = [v for v in g.succs[op].tolist() if g.ops[v] == "getitem"]
+        parts = [v for v in outputs if g.is_part[v]]
+        twins = [v for v in outputs if not g.is_part[v]]
+        assert len(outputs) == 7 and len(twins) == 1
+        assert g.alias_of[twins[0]] in parts and g.size[twins[0]] == 0
+        assert sum(int(g.size[v]) for v in parts) == int(g.size[op])
+
+
+def test_parameters_the_loss_never_reaches_have_no_gradient_node():
+    model = nn.ModuleDict({"used": nn.Linear(8, 8), "unused": nn.Linear(8, 8)})
+
+    class Partly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = model
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"y": self.parts["used"](x), "z": self.parts["unused"](x).detach()}
+
+    wrapper = Partly()
+    traced = trace(wrapper, (torch.randn(4, 8),), lambda out: out["y"].sum())
+    assert traced.gradients == ("parts.used.weight", "parts.used.bias")
+    grads = dict(traced.parameters(wrapper))
+    params = [v for v in range(traced.graph.n) if traced.graph.kind[v] == "param"]
+    assert [grads[v] >= 0 for v in params[:4]] == [True, True, False, False]
+    assert traced.graph.output[list(traced.gradient_nodes)].all()
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        return self.norm(self.lin(x)) * self.scale
+
+
+def test_buffers_a_forward_reassigns_or_writes_in_place_are_mutated():
+    model = Counter()
+    steps = model.steps
+    traced = trace(model, (torch.randn(4, 8),), lambda y: y.sum())
+    assert traced.mutated_buffers == ("norm.num_batches_tracked", "norm.running_mean", "norm.running_var", "steps")
+    assert model.steps is steps and int(model.steps) == 0
+
+
+def test_tracing_leaves_a_module_listed_twice_with_its_own_tensors():
+    """functional_call's weight tying restores the second path of a module listed twice
+    to the traced tensor; the model keeps its parameters, and a weight tied across two
+    modules is traced as one parameter."""
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    before = [id(p) for p in model.parameters()]
+    traced = trace(model, (torch.randn(4, 8),), lambda y: y.sum())
+    assert [id(p) for p in model.parameters()] == before
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert traced.gradients == ("0.weight", "0.bias")
+    embed, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+    head.weight = embed.weight
+    tied = nn.Sequential(embed, head)
+    traced = trace(tied, (torch.randint(0, 16, (4,)),), lambda y: y.sum())
+    assert traced.gradients == ("0.weight",)
+    assert traced.graph.kind.count("param") == 1 and traced.graph.kind.count("input") == 1, "no weight as a constant"
+
+
+def test_tracing_is_per_thread():
+    """A trace under way on one thread leaves plans on other threads' models running."""
+    import threading
+
+    from optremat.extract import _tracing, tracing
+
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def trace_for_a_while() -> None:
+        with _tracing():
+            seen.append(tracing())
+            inside.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=trace_for_a_while)
+    worker.start()
+    inside.wait(10)
+    seen.append(tracing())
+    release.set()
+    worker.join()
+    assert seen == [True, False] and not tracing()
+
+
+def test_the_assumed_loss_prices_a_causal_lm_loss_written_after_the_model():
+    """On 3-D logits the assumed loss holds what the usual shifted cross-entropy does (up
+    to the bytes of the token ids it reads); on 2-D outputs it is a classifier's
+    cross-entropy."""
+    import torch.nn.functional as F
+
+    from optremat.extract import assumed_loss, output_loss_bytes
+
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.empty(4, 32, 512, dtype=dtype, requires_grad=True)
+        ids = torch.zeros(4, 32, dtype=torch.long)
+
+        def shifted(out: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out[:, :-1].reshape(-1, 512).float(), ids[:, 1:].reshape(-1))
+
+        assert abs(output_loss_bytes(logits, assumed_loss) - output_loss_bytes(logits, shifted)) <= ids.nbytes
+    scores = torch.empty(64, 10, requires_grad=True)
+    plain = output_loss_bytes(scores, lambda out: F.cross_entropy(out, torch.zeros(64, dtype=torch.long)))
+    assert output_loss_bytes(scores, assumed_loss) == plain

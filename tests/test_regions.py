@@ -76,3 +76,75 @@ def test_random_ops_are_never_saved() -> None:
         assert regions, "dropping activations checkpoints the blocks"
         saved = {op for region in regions for op, _ in region.saved}
         assert not saved & {"bernoulli_.float", "native_dropout.default", "bernoulli.p"}, saved
+
+
+def mlp(width: int) -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+
+
+@functools.lru_cache(maxsize=None)
+def nested_map() -> RegionMap:
+    """A Sequential of Sequentials of Sequentials: spans of each level nest in the level above."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(mlp(8), mlp(8), mlp(8)) for _ in range(5)], torch.nn.Linear(8, 2))
+    return region_map(trace(model, (torch.randn(32, 8),), lambda out: out.square().mean()), model, "cpu")
+
+
+@settings(max_examples=20)
+@given(data=st.data())
+def test_nested_sequentials_give_structures_of_calls_sharing_no_op(data: st.DataObject) -> None:
+    rmap = nested_map()
+    structures = rmap.structures()
+    assert {parse_span(path)[0] for s in structures for path, _ in s if parse_span(path)} >= {"", "0", "0.0"}
+    for structure in structures:
+        members = np.concatenate([rmap.members[call] for call in structure])
+        assert len(members) == len(set(members.tolist())), structure
+    structure = structures[data.draw(st.integers(0, len(structures) - 1))]
+    kept = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1))).random(rmap.graph.n) < data.draw(st.floats(0, 1))
+    priced = price(rmap, structure, kept, "random")
+    assert all((r.path, r.call) in structure for r in priced.lowering.regions)
+
+
+def test_a_sequential_listing_a_module_twice_has_no_spans() -> None:
+    """Its second call of the module has the first one's path, so no run of its children
+    can be told apart; the Sequentials around it keep theirs, each span holding exactly
+    its children's ops."""
+    torch.manual_seed(0)
+    shared = mlp(8)
+    model = torch.nn.Sequential(torch.nn.Sequential(shared, mlp(8), shared), mlp(8), mlp(8), torch.nn.Linear(8, 2))
+    rmap = region_map(trace(model, (torch.randn(32, 8),), lambda out: out.square().mean()), model, "cpu")
+    spans = {parse_span(path) for path, _ in rmap.members if parse_span(path)}
+    assert spans and all(path != "0" for path, _, _ in spans)
+    for path, start, stop in spans:
+        children = np.concatenate([rmap.members[(f"{path}.{k}" if path else str(k), 0)] for k in range(start, stop)])
+        assert sorted(children.tolist()) == rmap.members[(span_path(path, start, stop), 0)].tolist()
+
+
+class Scored(torch.nn.Module):
+    """Computes the step's loss itself, ending in an op whose autograd node saves its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.lin(x).square().mean())
+
+
+def test_a_step_result_computed_in_a_region_is_saved_not_recomputed() -> None:
+    """The caller holds the result, so a rerun recomputing it would make a second copy:
+    the region's policy saves it, as it saves an output the backward reads after the call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(mlp(8), Scored())
+    rmap = region_map(trace(model, (torch.randn(32, 8),), lambda out: out), model, "cpu")
+    loss = int(np.nonzero(rmap.graph.output & ~rmap.graph.backward & ~rmap.graph.pinned)[0][0])
+    assert loss in rmap.reruns[("1", 0)].read_after
+    priced = price(rmap, (("0", 0), ("1", 0)), np.zeros(rmap.graph.n, dtype=bool), "everything dropped")
+    region = next(r for r in priced.lowering.regions if r.path == "1")
+    assert ("exp.default", 0) in region.saved
+
+
+def test_calls_nested_in_one_another_are_refused_as_regions() -> None:
+    rmap = nested_map()
+    with pytest.raises(ValueError, match="share ops"):
+        price(rmap, (("0", 0), ("0.1", 0)), np.zeros(rmap.graph.n, dtype=bool), "nested")

@@ -22,7 +22,6 @@ from optremat.graph import Graph
 from optremat.ilp.region_model import Atom, Literal, RegionModel, Row
 from optremat.ilp.search import configure
 from optremat.regions import Call, Priced, Region, RegionMap, price
-from optremat.schedule import InvalidSchedule
 
 SCALE = 1e10
 """Integer units of cost in the unplanned step's cost: each op's cost is rounded down to
@@ -51,12 +50,14 @@ def solve_regions(rmap: RegionMap, candidates: Sequence[Call], budget: int, time
                   deterministic: bool = False) -> RegionSolution:
     """The least-cost plan over `candidates` whose simulated peak is at most `budget` bytes,
     searched for `time_limit` seconds (of deterministic time with `deterministic`) from
-    the plan checkpointing `hint` (`workers` 0: `PORTFOLIO`). The LP relaxation of the
-    rows' clauses is what proves bounds here: on one depth of the Llama's module tree at
-    80%, linearization level 2 proved the plan in 0.7 s, the default level not in 20 s."""
+    the plan checkpointing `hint` when that plan fits (`workers` 0: `PORTFOLIO`). The LP
+    relaxation of the rows' clauses is what proves bounds here: on one depth of the
+    Llama's module tree at 80%, linearization level 2 proved the plan in 0.7 s, the
+    default level not in 20 s."""
     model = RegionModel(rmap, candidates)
     cp = _Cp(model, budget)
-    status, solver, priced = _solve_lazily(cp, model.values_of(hint), time_limit, workers, seed, deterministic)
+    status, solver, priced = _solve_lazily(cp, _fitting(model, hint, budget), time_limit, workers, seed,
+                                           deterministic)
     if status == cp_model.INFEASIBLE:
         return RegionSolution(None, math.inf, False)
     if priced is None:
@@ -64,6 +65,17 @@ def solve_regions(rmap: RegionMap, candidates: Sequence[Call], budget: int, time
     fits = priced.result.peak_bytes <= budget
     return RegionSolution(priced if fits else None, cp.cost_of(solver.best_objective_bound),
                           fits and status == cp_model.OPTIMAL)
+
+
+def _fitting(model: RegionModel, regions: tuple[Region, ...], budget: int) -> dict[Atom, bool] | None:
+    """The decisions of the plan checkpointing `regions` if it fits `budget`, else None. A
+    search under a budget takes hints only when a plan is known to fit: CP-SAT (9.15, with
+    interleaved search) aborts the process when it proves a hinted model infeasible."""
+    values = model.values_of(regions)
+    if not model.realisable(values):
+        return None
+    priced = price(model.rmap, model.chosen(values), model.kept(values), "hint")
+    return values if priced.result.peak_bytes <= budget else None
 
 
 def least_peak(rmap: RegionMap, candidates: Sequence[Call], time_limit: float, *, workers: int = 0,
@@ -78,15 +90,17 @@ def least_peak(rmap: RegionMap, candidates: Sequence[Call], time_limit: float, *
     return priced, status == cp_model.OPTIMAL and priced.result.peak_bytes <= solver.value(cp.peak)
 
 
-def _solve_lazily(cp: "_Cp", values: dict[Atom, bool], time_limit: float, workers: int, seed: int,
+def _solve_lazily(cp: "_Cp", values: dict[Atom, bool] | None, time_limit: float, workers: int, seed: int,
                   deterministic: bool) -> tuple[int, cp_model.CpSolver | None, Priced | None]:
-    """Solve, price the plan, add the rows of the events over the model's limit, and solve
-    again from that plan, until a plan has no such event or the time runs out: the last
-    status, its solver, and its plan (None if the solver returned none)."""
+    """Solve from the plan `values` describes, price the plan, add the rows of the events
+    over the model's limit, and solve again from that plan, until a plan has no such event
+    or the time runs out: the last status, its solver, and its plan (None if the solver
+    returned none). With `values` None no round takes a hint (see `_fitting`)."""
     started = time.perf_counter()
     model, rmap = cp.regions, cp.regions.rmap
+    hinted = values is not None
     while True:
-        cp.hint(values)
+        cp.hint(values if hinted else None)
         solver = cp_model.CpSolver()
         configure(solver, time_limit, started, workers or PORTFOLIO, seed, deterministic)
         solver.parameters.linearization_level = 2
@@ -96,13 +110,7 @@ def _solve_lazily(cp: "_Cp", values: dict[Atom, bool], time_limit: float, worker
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return status, solver, None
         values = {atom: bool(solver.value(var)) for atom, var in cp.var.items()}
-        try:
-            priced = price(rmap, model.chosen(values), model.kept(values), "cpsat-regions")
-        except InvalidSchedule:
-            cp.forbid(values)
-            if time.perf_counter() - started >= time_limit:
-                return status, solver, None
-            continue
+        priced = price(rmap, model.chosen(values), model.kept(values), "cpsat-regions")
         curve, limit = priced.result.curve, cp.limit(solver)
         order = np.argsort(-curve, kind="stable")
         over = order[curve[order] > limit]
@@ -165,14 +173,11 @@ class _Cp:
         var = self.var[literal[0]]
         return var if literal[1] else var.Not()
 
-    def hint(self, values: dict[Atom, bool]) -> None:
+    def hint(self, values: dict[Atom, bool] | None) -> None:
+        """Hint the plan `values` describes (none when None)."""
         self.cp.clear_hints()
-        for atom, var in self.var.items():
+        for atom, var in self.var.items() if values is not None else ():
             self.cp.add_hint(var, bool(values.get(atom, False)))
-
-    def forbid(self, values: dict[Atom, bool]) -> None:
-        """Exclude one plan (one the simulator cannot run)."""
-        self.cp.add_bool_or([var.Not() if values[atom] else var for atom, var in self.var.items()])
 
     def add_rows(self, rows) -> int:
         """Add the rows not in the model yet; how many were added."""
