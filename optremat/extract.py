@@ -129,7 +129,7 @@ def trace(
         with _phase("backward"), _tag_grad_fns(roots):
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
-        return roots, [g for g in grads if g is not None]
+        return roots, _held(out), [g for g in grads if g is not None]
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
@@ -226,6 +226,14 @@ class _Output(nn.Module):
     def forward(self) -> Any:
         leaves = [getattr(self, f"leaf{i}") if c is None else c for i, c in enumerate(self.constants)]
         return tree_unflatten(leaves, self.spec)
+
+
+def _held(out: Any) -> list[torch.Tensor]:
+    """The model's output tensors, returned by the traced step so that they live through
+    the backward: a training loop that writes `out = model(x); loss = f(out)`, or reads
+    `outputs.loss`, holds the output until the step ends, and a plan priced without it
+    would exceed its budget by the output's bytes there."""
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def _grad_leaves(out: Any) -> list[torch.Tensor]:

@@ -417,7 +417,9 @@ def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
 
 def loss_note(loss_fn: Callable | None) -> str:
     """How a native plan priced the loss computed after the model (`Plan.loss`)."""
+    held = "; the model's output priced as held through the backward (as `out = model(x)` holds it)"
     if loss_fn is None:
-        return ("not given: priced as a cross-entropy over the last dimension of the largest output (a log-softmax "
-                "and two gradients of its size); pass loss_fn to price another")
-    return "priced as part of the step (loss_fn)"
+        return ("not given: priced as a cross-entropy over the last dimension of the largest output after the "
+                "model (an output of 3+ dimensions as a causal LM's: shifted one position, flattened and cast to "
+                f"float32, each a copy){held}; pass loss_fn to price another")
+    return f"priced as part of the step (loss_fn){held}"

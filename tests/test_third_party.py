@@ -29,8 +29,9 @@ def llama(layers: int, seq: int) -> tuple[torch.nn.Module, torch.Tensor, torch.T
 
 
 def grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
-    """One step's gradients; the output is not held through the backward (plans assume so)."""
-    loss = F.cross_entropy(model(ids).logits.float().view(-1, 8192), labels)
+    """One step's gradients, the output held through the backward as a training loop holds it."""
+    out = model(ids)
+    loss = F.cross_entropy(out.logits.float().view(-1, 8192), labels)
     return list(torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad]))
 
 

@@ -103,12 +103,14 @@ def measure_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any],
     """Peak memory of one eager forward+backward of `loss_fn(model(*inputs))`, after a warm-up.
 
     Parameters, buffers and inputs count as resident; gradients are returned, not
-    accumulated, so repeated calls measure the same step.
+    accumulated, so repeated calls measure the same step. The model's output is held
+    through the backward, as a training loop holding `out = model(x)` holds it.
     """
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(loss_fn(model(*inputs)), params, allow_unused=True)
+        out = model(*inputs)
+        return torch.autograd.grad(loss_fn(out), params, allow_unused=True)
 
     step()
     return measure_peak(step, resident=[list(model.parameters()), list(model.buffers()), inputs], device=device)
