@@ -153,7 +153,11 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
     resident = [params, list(model.buffers()), inputs]
 
     def step_of(module: torch.nn.Module) -> Callable[[], tuple]:
-        return lambda: torch.autograd.grad(loss_fn(module(*inputs)), params)
+        def step() -> tuple:
+            out = module(*inputs)
+            return torch.autograd.grad(loss_fn(out), params)
+
+        return step
 
     step = step_of(model)
 

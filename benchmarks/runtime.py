@@ -62,7 +62,8 @@ def rows(name: str, budgets: list[float], limit: float, runs: int, cost_model: s
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(module: torch.nn.Module) -> tuple:
-        return torch.autograd.grad(loss_fn(module(*inputs)), params)
+        out = module(*inputs)
+        return torch.autograd.grad(loss_fn(out), params)
 
     def row(budget: float | int) -> tuple[list[str], int | None]:
         """The row for `budget`, and the smallest budget reached when it is infeasible."""

@@ -13,7 +13,7 @@ import types
 from typing import Any
 
 _ON_FIRST_USE = {
-    "ExtractionError": "optremat.extract", "extract": "optremat.extract",
+    "ExtractionError": "optremat.extract", "extract": "optremat.extract", "Inputs": "optremat.inputs",
     "Plan": "optremat.plan", "PlanFileError": "optremat.plan", "plan": "optremat.planning",
     "price_regions": "optremat.native_plan", "reprice": "optremat.native_plan",
     "apply": "optremat.runtime.apply", "Replanning": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
@@ -65,6 +65,7 @@ __all__ = [
     "Graph",
     "GraphError",
     "InfeasibleBudget",
+    "Inputs",
     "InvalidSchedule",
     "KnapsackSolver",
     "Plan",

@@ -23,10 +23,11 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from optremat.costs import COST_MODELS, DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
 from optremat.graph import Graph
+from optremat.inputs import Call, call_of, own_loss
 from optremat.schedule import keep_all, simulate
 
 
@@ -109,7 +110,10 @@ def trace(
     """Like `extract`, also returning the fx graph the Graph was built from."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {', '.join(map(repr, COST_MODELS))}, not {cost_model!r}")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    try:
+        inputs = call_of(example_inputs)
+    except TypeError as error:
+        raise ExtractionError(str(error)) from None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [name for name, p in params.items() if p.requires_grad]
@@ -120,7 +124,7 @@ def trace(
 
     structure: dict[str, Any] = {}
 
-    def step(params: dict, buffers: dict, inputs: tuple, grad_outputs: list) -> tuple:
+    def step(params: dict, buffers: dict, inputs: Call, grad_outputs: list) -> tuple:
         out, structure["reassigned"] = _call(model, params, buffers, inputs)
         if loss_fn is not None:
             roots, root_grads = [loss_fn(out)], None
@@ -207,6 +211,20 @@ def assumed_loss(out: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(flat.float(), target)
 
 
+class DefaultLoss:
+    """The loss planned when none is given: the model's own where its output carries one
+    (`outputs.loss` of a transformers model given `labels`, see `inputs.own_loss`), else
+    `assumed_loss`; after a trace `source` says which ("own" or "assumed")."""
+
+    def __init__(self) -> None:
+        self.source = ""
+
+    def __call__(self, out: Any) -> torch.Tensor:
+        own = own_loss(out)
+        self.source = "assumed" if own is None else "own"
+        return assumed_loss(out) if own is None else own
+
+
 class _Output(nn.Module):
     """A module with no inputs returning tensors shaped like a model's output, those
     that take a gradient as parameters, so that tracing a loss over it is a training step."""
@@ -243,13 +261,13 @@ def _grad_leaves(out: Any) -> list[torch.Tensor]:
     return leaves
 
 
-def _output_like(model: nn.Module, params: dict, buffers: dict, inputs: tuple) -> list[torch.Tensor]:
+def _output_like(model: nn.Module, params: dict, buffers: dict, inputs: Call) -> list[torch.Tensor]:
     """Tensors shaped like the differentiable outputs, to stand for their gradients."""
     leaves = _grad_leaves(_fake_output(model, params, buffers, inputs))
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
 
 
-def _fake_output(model: nn.Module, params: dict, buffers: dict, inputs: tuple) -> Any:
+def _fake_output(model: nn.Module, params: dict, buffers: dict, inputs: Call) -> Any:
     """The model's output on fake tensors: its structure, shapes and which leaves take a gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -257,12 +275,12 @@ def _fake_output(model: nn.Module, params: dict, buffers: dict, inputs: tuple) -
     with mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return _call(model, {k: fake(v) for k, v in params.items()}, {k: fake(v) for k, v in buffers.items()},
-                     tuple(fake(x) for x in inputs))[0]
+                     tree_map(fake, inputs))[0]
 
 
 def _call(model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-          inputs: tuple) -> tuple[Any, set[str]]:
-    """`model(*inputs)` with `params` and `buffers` (keyed as `named_parameters` and
+          inputs: Call) -> tuple[Any, set[str]]:
+    """`model(*args, **kwargs)` of the call `inputs` with `params` and `buffers` (keyed as `named_parameters` and
     `named_buffers` name them) in place of its own, and the names of the buffers its
     forward reassigned (`self.steps = self.steps + 1`). Each module attribute holding a
     tensor is set once: `functional_call`'s weight tying sets a module listed twice (in a
@@ -272,7 +290,7 @@ def _call(model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, 
     names = _attribute_names(model)
     given = {**params, **buffers}
     state = {path: given[name] for path, name in names.items()}
-    out = torch.func.functional_call(model, state, inputs, tie_weights=False)
+    out = torch.func.functional_call(model, state, inputs[0], inputs[1], tie_weights=False)
     reassigned = {names[path] for path, t in state.items() if names[path] in buffers and t is not given[names[path]]}
     return out, reassigned
 

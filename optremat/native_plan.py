@@ -19,7 +19,7 @@ import torch.nn as nn
 from optremat.budget import InfeasibleBudget
 from optremat.coarsen import coarsen
 from optremat.costs import device_profile, model_device
-from optremat.extract import Traced, assumed_loss, trace
+from optremat.extract import DefaultLoss, Traced, trace
 from optremat.fingerprint import model_fingerprint
 from optremat.ilp.bounds import solver_floor
 from optremat.ilp.region_cpsat import least_peak, solve_regions
@@ -134,7 +134,8 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     (its budget is its peak): per-block checkpointing is one Region per block call saving
     nothing, so other planners' choices are compared on the same simulator."""
     device_name = device or model_device(model)
-    traced = trace(model, example_inputs, loss_fn or assumed_loss, cost_model=cost_model, device=device_name)
+    default = DefaultLoss()
+    traced = trace(model, example_inputs, loss_fn or default, cost_model=cost_model, device=device_name)
     rmap = region_map(traced, model, device_name, parallel)
     missing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) not in rmap.members]
     if missing:
@@ -148,7 +149,8 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
                 baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
                 predicted_overhead=priced.overhead, solver="given", status=HEURISTIC, lower_bound=None,
                 solve_seconds=time.perf_counter() - started, solver_overhead=priced.overhead,
-                training=model.training, mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn),
+                training=model.training, mutated_buffers=traced.mutated_buffers,
+                loss=loss_note(loss_fn, default.source),
                 parallel=parallel, cost_model=cost_model, device=str(device_name))
 
 

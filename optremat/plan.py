@@ -192,8 +192,9 @@ class Plan:
             "device": self.device,
             "shared": [list(pair) for pair in self.shared],
             "compared": [list(c) for c in self.compared],
-            "parallel": None if self.parallel is None else {"kind": type(self.parallel).__name__,
-                                                           **asdict(self.parallel)},
+            "parallel": None if self.parallel is None else {
+                "kind": type(self.parallel).__name__,
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.parallel).items()}},
         }
         return {**content, "checksum": checksum(content)}
 
@@ -415,11 +416,14 @@ def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
     return PARALLEL_KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 
-def loss_note(loss_fn: Callable | None) -> str:
-    """How a native plan priced the loss computed after the model (`Plan.loss`)."""
+def loss_note(loss_fn: Callable | None, source: str = "assumed") -> str:
+    """How a native plan priced the loss (`Plan.loss`): given as `loss_fn`, the model's own
+    (`source` "own"), or assumed after the model."""
     held = "; the model's output priced as held through the backward (as `out = model(x)` holds it)"
-    if loss_fn is None:
-        return ("not given: priced as a cross-entropy over the last dimension of the largest output after the "
-                "model (an output of 3+ dimensions as a causal LM's: shifted one position, flattened and cast to "
-                f"float32, each a copy){held}; pass loss_fn to price another")
-    return f"priced as part of the step (loss_fn){held}"
+    if loss_fn is not None:
+        return f"priced as part of the step (loss_fn){held}"
+    if source == "own":
+        return f"the model's own (outputs.loss, computed by the model from its inputs' labels){held}"
+    return ("not given: priced as a cross-entropy over the last dimension of the largest output after the "
+            "model (an output of 3+ dimensions as a causal LM's: shifted one position, flattened and cast to "
+            f"float32, each a copy){held}; pass loss_fn to price another")

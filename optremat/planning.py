@@ -22,7 +22,7 @@ import torch.nn as nn
 from optremat.budget import ACCEPTED, check_budget, resolve_budget
 from optremat.cache import PlanCache
 from optremat.costs import model_device
-from optremat.extract import assumed_loss, trace
+from optremat.extract import DefaultLoss, trace
 from optremat.fingerprint import model_fingerprint, package_version
 from optremat.graph import format_bytes
 from optremat.native_plan import region_map, solve_native
@@ -39,13 +39,18 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
          parallel: Parallel | None = None) -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
+    `example_inputs` is a batch as the model takes it: a dict is called as
+    `model(**batch)`, a tuple or list as `model(*args)`, `optremat.Inputs(*args, **kwargs)`
+    as both, anything else as `model(x)`.
     `budget` is bytes, a size such as "6GiB", or a fraction in (0, 1] of the unplanned
     peak; it bounds the step's peak with parameters and gradients included. Raises
     InfeasibleBudget naming the smallest budget found when no plan fits. The plan runs
     module calls of the user's model under checkpoint with selective policies
-    (`optremat.apply`); `loss_fn` folds the loss into what is planned, and without it the
-    loss is priced as a cross-entropy over the output's last dimension
-    (`extract.assumed_loss`); `summary()` says which. `solver` "auto" leaves the plan to
+    (`optremat.apply`); `loss_fn` folds the loss into what is planned; without it the
+    model's own loss is planned where its output carries one (`outputs.loss`, as a
+    transformers model given `labels` returns it), else the loss is priced as a
+    cross-entropy over the output's last dimension (`extract.assumed_loss`); `summary()`
+    says which. `solver` "auto" leaves the plan to
     the exact search over module regions; another of `optremat.SOLVERS` also plans on
     the coarsened graph, its keep set lowered to regions as one more seed. `progress`,
     if given, is called as the search goes: (seconds, overhead, proven lower bound on
@@ -62,9 +67,9 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
                       "models), so this plans eval-mode steps, and training steps run unplanned; call model.train() "
                       "before planning to plan training", stacklevel=2)
     started = time.perf_counter()
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     device_name = device or model_device(model)
-    traced = trace(model, inputs, loss_fn or assumed_loss, cost_model=cost_model, device=device_name)
+    default = DefaultLoss()
+    traced = trace(model, example_inputs, loss_fn or default, cost_model=cost_model, device=device_name)
     rmap = region_map(traced, model, device_name, parallel)
     graph = rmap.graph
     budget_bytes = resolve_budget(graph, budget)
@@ -78,7 +83,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
                              deterministic=deterministic, started=started,
                              progress=None if progress is None else _relative(progress, graph.total_cost))
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
-                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn), parallel=parallel,
+                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn, default.source),
+                       parallel=parallel,
                        cost_model=cost_model, device=str(device_name))
 
     if cache is None:

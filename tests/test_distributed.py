@@ -120,7 +120,8 @@ def hf_llama_rank(parallel: FSDP | DDP) -> tuple[int, int, int, str, dict | None
     def step() -> None:
         for p in model.parameters():
             p.grad = None
-        loss_fn(wrapped(mine)).backward()
+        out = wrapped(mine)
+        loss_fn(out).backward()
 
     step()
     peak = rank_peak(model, wrapped, mine, step)

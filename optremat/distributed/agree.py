@@ -7,13 +7,12 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from optremat.fingerprint import model_fingerprint
+from optremat.inputs import call_of, input_types
 from optremat.plan import Plan
 from optremat.planning import plan as plan_one_rank
 from optremat.runtime.native import PlanMismatch
-from optremat.runtime.ops import signature_of
 from optremat.sharding import Parallel
 
 _COMPARED = ("solver", "time_limit", "cost_model", "device", "workers", "seed", "deterministic", "runtime")
@@ -68,7 +67,7 @@ def _agree(model: nn.Module, example_inputs: Any, budget: Any, parallel: Paralle
            group: dist.ProcessGroup | None, world: int) -> None:
     """Raise PlanMismatch on every rank unless every rank plans the same thing."""
     mine = {"model": model_fingerprint(model),
-            "input shapes": repr(signature_of(tree_leaves(example_inputs))),
+            "input shapes": repr(input_types(*call_of(example_inputs))),
             "budget": repr(budget), "parallel": parallel.describe(),
             "options": repr({k: options[k] for k in _COMPARED if k in options})}
     every: list[Any] = [None] * world

@@ -86,7 +86,8 @@ def _step(example: Example) -> Callable[[nn.Module], None]:
     def step(module: nn.Module) -> None:
         for p in example.model.parameters():
             p.grad = None
-        example.loss_fn(module(*example.inputs)).backward()
+        out = module(*example.inputs)
+        example.loss_fn(out).backward()
 
     return step
 

@@ -12,12 +12,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from optremat.budget import check_budget
 from optremat.distributed.agree import PlanningFailed
 from optremat.distributed.agree import plan as plan_every_rank
-from optremat.extract import tensor_type
+from optremat.inputs import Inputs, input_types
 from optremat.plan import Plan
 from optremat.planning import plan as make_plan
 from optremat.regions import Region
@@ -57,15 +56,16 @@ class Replanning:
         """What picks the regions of `model`'s forward for its inputs, `applied` first."""
         return functools.partial(self._choose, model, applied)
 
-    def _choose(self, model: nn.Module, applied: Plan, args: tuple) -> tuple[Region, ...]:
-        key = tuple(tensor_type(leaf) for leaf in tree_leaves(args))
+    def _choose(self, model: nn.Module, applied: Plan, args: tuple, kwargs: dict[str, Any]) -> tuple[Region, ...]:
+        key = input_types(args, kwargs)
         if _in_a_group(applied) and not _every_rank_has(key):
             return applied.regions
         if key not in self.plans:
-            self.plans[key] = applied if _planned_for(applied, key) else self._plan(model, args, applied, key)
+            self.plans[key] = (applied if _planned_for(applied, key)
+                               else self._plan(model, Inputs(*args, **kwargs), applied, key))
         return self.plans[key].regions
 
-    def _plan(self, model: nn.Module, args: tuple, applied: Plan, key: tuple[str, ...]) -> Plan:
+    def _plan(self, model: nn.Module, args: Inputs, applied: Plan, key: tuple[str, ...]) -> Plan:
         budget = applied.budget_bytes if self.budget is None else self.budget
         options = dict(loss_fn=self.loss_fn, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
                        cost_model=applied.cost_model, device=applied.device)
@@ -77,9 +77,9 @@ class Replanning:
         except (ValueError, PlanningFailed) as error:  # InfeasibleBudget, a budget below what every step holds
             if isinstance(error, PlanningFailed) and not error.refused:
                 raise
-            warnings.warn(f"optremat: inputs {', '.join(key)}: {error}; running the plan applied", stacklevel=4)
+            warnings.warn(f"optremat: inputs {_shown(key)}: {error}; running the plan applied", stacklevel=4)
             return applied
-        log.info("optremat: inputs %s planned: %s", ", ".join(key), made.summary().splitlines()[0])
+        log.info("optremat: inputs %s planned: %s", _shown(key), made.summary().splitlines()[0])
         return made
 
 
@@ -114,10 +114,15 @@ def _every_rank_has(key: tuple[str, ...]) -> bool:
     dist.all_gather_object(keys, key)
     differ = next((rank for rank, theirs in enumerate(keys) if theirs != key), None)
     if differ is not None:
-        warnings.warn(f"optremat: rank {dist.get_rank()} steps on inputs {', '.join(key)} and rank {differ} on "
-                      f"{', '.join(keys[differ])}: every rank runs the plan applied at this step, so that all run "
+        warnings.warn(f"optremat: rank {dist.get_rank()} steps on inputs {_shown(key)} and rank {differ} on "
+                      f"{_shown(keys[differ])}: every rank runs the plan applied at this step, so that all run "
                       "the same regions", stacklevel=5)
     return differ is None
+
+
+def _shown(key: tuple[str, ...]) -> str:
+    """A call's tensor types as a message names them (constants left out)."""
+    return ", ".join(filter(None, key))
 
 
 def _planned_for(plan: Plan, key: tuple[str, ...]) -> bool:

@@ -44,8 +44,8 @@ class PlanMismatch(ValueError):
     """A plan applied to a model it was not made for."""
 
 
-Choose = Callable[[tuple], "tuple[Region, ...]"]
-"""Given a training forward's positional inputs, the regions to run it under."""
+Choose = Callable[[tuple, dict], "tuple[Region, ...]"]
+"""Given a training forward's positional and keyword arguments, the regions to run it under."""
 
 
 class _Runtime:
@@ -87,7 +87,7 @@ class _Runtime:
         return list(dict.fromkeys([""] + [path for path, _ in self.regions] + [path for path, _ in self.spans]))
 
     @contextlib.contextmanager
-    def step(self, model: nn.Module, args: tuple) -> Iterator[None]:
+    def step(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Iterator[None]:
         """One call of the model: counts start again, the plan runs when the model is in
         the mode it was planned in, with gradients on and no trace under way, and a
         chooser picks the regions for these inputs."""
@@ -97,7 +97,7 @@ class _Runtime:
         if not tracing() and torch.is_grad_enabled() and model.training != self.training:
             self._warn_mode(model)
         if self.active and self.choose is not None:
-            self.use(self.choose(args))
+            self.use(self.choose(args, kwargs))
             for path in self.paths:
                 _take_over(model, path)
         try:
@@ -251,7 +251,7 @@ def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if runtime is None:
         return original(*args, **kwargs)
     if state.path == "":
-        with runtime.step(module, args):
+        with runtime.step(module, args, kwargs):
             return _planned(module, state, runtime, original, *args, **kwargs)
     return _planned(module, state, runtime, original, *args, **kwargs)
 

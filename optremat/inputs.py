@@ -1,0 +1,93 @@
+"""Inputs as a model takes them, and the loss a model computes itself.
+
+Training code holds a batch as a dict (`model(**batch)`, as transformers' Trainer,
+accelerate and Lightning call it), as positional arguments, or both; transformers models
+given `labels` return their own loss as `outputs.loss`. `call_of` reads an example batch
+as one of those calls, and `own_loss` finds the loss a model's output carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
+
+LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
+"""What an example input may hold: tensors, and constants the trace keeps as they are."""
+
+
+class Inputs:
+    """Example inputs for a model called as `model(*args, **kwargs)`: what `plan()` takes
+    when the model needs positional and keyword arguments at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        return f"Inputs({len(self.args)} positional, keywords {sorted(self.kwargs)})"
+
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+"""A model call's positional and keyword arguments, keywords in sorted order (so that a
+batch's leaves always come in one order)."""
+
+
+def call_of(example: Any) -> Call:
+    """`example` as the call it stands for: a dict (any mapping) is the model's keyword
+    arguments, a tuple or list its positional arguments, `Inputs` both, anything else the
+    one positional argument. Raises TypeError naming an argument no trace can take."""
+    if isinstance(example, Inputs):
+        args, kwargs = tuple(example.args), dict(example.kwargs)
+    elif isinstance(example, Mapping):
+        args, kwargs = (), dict(example)
+    elif isinstance(example, (tuple, list)):
+        args, kwargs = tuple(example), {}
+    else:
+        args, kwargs = (example,), {}
+    if not all(isinstance(key, str) for key in kwargs):
+        raise TypeError("a batch given as a dict is passed as model(**batch): its keys must be argument names")
+    call = (args, dict(sorted(kwargs.items())))
+    _check_leaves(call)
+    return call
+
+
+def _check_leaves(call: Call) -> None:
+    for path, leaf in tree_flatten_with_path(call)[0]:
+        if not isinstance(leaf, LEAF_TYPES):
+            where = _argument(path)
+            raise TypeError(f"example input {where} is a {type(leaf).__name__}: inputs are traced as tensors, numbers, "
+                            "strings and None, in tuples, lists and dicts; turn it into tensors (or keep it on the "
+                            "model) and pass the batch as the model is called, e.g. plan(model, batch) for "
+                            "model(**batch)")
+
+
+def _argument(path: tuple) -> str:
+    """An input's place as a reader names it: `input_ids`, `args[0]['mask']`."""
+    text = keystr(path)
+    if text.startswith("[1]"):
+        rest = text[3:]
+        key = rest[: rest.index("]") + 1] if rest.startswith("[") else rest
+        return f"{key[2:-2]}{rest[len(key):]}" if key.startswith("['") else f"kwargs{rest}"
+    return f"args{text[3:]}"
+
+
+def input_types(args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """Per leaf of a call, in the order a trace lists its inputs, the tensor's dtype and
+    shape ("" for a constant), as a Graph names its inputs' types."""
+    leaves = tree_leaves((args, dict(sorted(kwargs.items()))))
+    return tuple(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" if isinstance(t, torch.Tensor) else ""
+                 for t in leaves)
+
+
+def own_loss(out: Any) -> torch.Tensor | None:
+    """The loss a model's output carries, if any: `outputs.loss` (a transformers model given
+    `labels`), a dict's "loss", or the output itself when it is one differentiable scalar."""
+    found = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if found is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+        found = out
+    if isinstance(found, torch.Tensor) and found.dim() == 0 and found.is_floating_point() and found.requires_grad:
+        return found
+    return None

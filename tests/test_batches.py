@@ -1,0 +1,100 @@
+"""Models planned as their users train them: batches as dicts (`model(**batch)`), positional
+and keyword arguments together, and the loss a transformers model computes itself from
+`labels`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import optremat
+from optremat.runtime.measure import measure_peak
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=2000, n_embd=64, n_layer=3, n_head=4, n_positions=128,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 2000, (4, 128))
+    return transformers.GPT2LMHeadModel(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def own_loss_step(model: nn.Module, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """A step as a Trainer takes it: the model's own loss from `labels`, dropout seeded."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(5)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_a_dict_batch_with_labels_plans_the_models_own_loss() -> None:
+    model, batch = gpt2()
+    state = copy.deepcopy(model.state_dict())
+    want = own_loss_step(model, batch)
+    plan = optremat.plan(model, batch, 0.7, time_limit=5, deterministic=True)
+    assert plan.regions and "the model's own" in plan.summary()
+    optremat.apply(model, plan)
+    model.load_state_dict(state)
+    got = own_loss_step(model, batch)
+    assert got[0] == want[0]
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+    params = list(model.parameters())
+
+    def step() -> tuple:
+        out = model(**batch)
+        return torch.autograd.grad(out.loss, params)
+
+    step()
+    measured = measure_peak(step, resident=[params, list(model.buffers()), list(batch.values())]).peak_bytes
+    assert measured <= 1.02 * plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+
+
+class Masked(nn.Module):
+    """A model taking a tensor positionally and a mask and a flag by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                    for _ in range(4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x) * mask * scale
+        return x
+
+
+def test_positional_and_keyword_arguments_plan_together_and_replan_by_keyword_shapes() -> None:
+    torch.manual_seed(0)
+    model = Masked().double()
+    x, mask = torch.randn(512, 64, dtype=torch.float64), torch.rand(512, 1, dtype=torch.float64)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    want = torch.autograd.grad(loss_fn(model(x, mask=mask, scale=2.0)), list(model.parameters()))
+    plan = optremat.plan(model, optremat.Inputs(x, mask=mask, scale=2.0), 0.7, loss_fn=loss_fn, time_limit=5,
+                         deterministic=True)
+    replan = optremat.Replanning(0.7, loss_fn=loss_fn, time_limit=5)
+    optremat.apply(model, plan, replan=replan)
+    got = torch.autograd.grad(loss_fn(model(x, scale=2.0, mask=mask)), list(model.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+    assert list(replan.plans.values()) == [plan], "the same call with keywords in another order planned again"
+    model(x[:256], mask=mask[:256], scale=2.0)
+    assert len(replan.plans) == 2
+
+
+class Tokenizer:
+    """An object a batch may carry that no trace can take."""
+
+
+def test_an_input_the_tracer_cannot_take_names_the_argument() -> None:
+    model, batch = gpt2()
+    with pytest.raises(optremat.ExtractionError, match="example input tokenizer is a Tokenizer"):
+        optremat.plan(model, {**batch, "tokenizer": Tokenizer()}, 0.7, time_limit=5)
