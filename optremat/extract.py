@@ -137,7 +137,7 @@ def trace(
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
-    with _tracing(), _module_paths(model) as where, fx_traceback.preserve_node_meta():
+    with _tracing(), _grouped_mm_in_any_float(), _module_paths(model) as where, fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
@@ -305,6 +305,35 @@ def _attribute_names(model: nn.Module) -> dict[str, str]:
             if t is not None:
                 names[f"{path}.{attr}" if path else attr] = canonical[id(t)]
     return names
+
+
+@contextmanager
+def _grouped_mm_in_any_float() -> Iterator[None]:
+    """Shapes for `aten._grouped_mm` in float32 and float16 on fake tensors, as its eager
+    CPU kernel computes them. Mixture-of-experts layers (transformers' Mixtral and Qwen MoE
+    experts) call it in any float dtype, while PyTorch 2.13's meta rule demands bfloat16
+    and 16-byte strides, so a trace would fail where the model runs. Other calls keep the
+    rule PyTorch has; nothing changes outside the trace."""
+    import torch._meta_registrations as meta
+
+    common = getattr(meta, "_meta_grouped_mm_common", None)
+    output = getattr(meta, "_create_grouped_mm_output_tensor", None)
+    if common is None or output is None:
+        yield
+        return
+
+    def relaxed(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: Any, scale_b: Any, offs: Any = None,
+                bias: Any = None, scale_result: Any = None, out_dtype: Any = None, use_fast_accum: bool = False) -> Any:
+        if scale_a is None and scale_b is None and mat_a.dtype in (torch.float32, torch.float16) \
+                and mat_b.dtype == mat_a.dtype:
+            return output(mat_a, mat_b, offs, out_dtype)
+        return common(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
+
+    meta._meta_grouped_mm_common = relaxed
+    try:
+        yield
+    finally:
+        meta._meta_grouped_mm_common = common
 
 
 def _set_custom(**fields: Any) -> None:
