@@ -15,7 +15,7 @@ LAYERS = (
     {"graph", "published", "synthetic", "schedule", "solution", "budget", "coarsen", "order", "sharding"},
     {"heuristics", "ilp", "solve", "batch", "regions"},
     {"costs", "extract", "fingerprint", "models", "cache", "plan", "planning", "native_plan", "op_plan"},
-    {"runtime", "compiler", "distributed"},
+    {"runtime", "compiler", "distributed", "integrations"},
     {"bench", "cli", "plots"},
 )
 """Bottom to top: the graph IR and its simulation; the planners; plans (tracing models,

@@ -1,0 +1,1 @@
+"""optremat where training libraries already have a checkpointing switch."""

@@ -1,0 +1,66 @@
+"""optremat as the memory-budget switch of transformers' Trainer.
+
+`Trainer(..., callbacks=[optremat.integrations.transformers.PlanCallback(budget=0.7)])`
+plans the model on the first training batch, as the Trainer will call it (`model(**batch)`,
+the model's own loss from `labels`), and applies the plan before the first step; a batch
+of another shape later is planned on its first step (`optremat.Replanning`). With `cache`,
+a second run loads its plans instead of solving.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from optremat.plan import Plan
+from optremat.planning import plan as make_plan
+from optremat.runtime.apply import Replanning, apply
+
+log = logging.getLogger("optremat")
+
+
+class PlanCallback(TrainerCallback):
+    """Plans and applies activation checkpointing at `budget` (bytes, a size such as
+    "6GiB", or a fraction of the unplanned peak) when training begins. Reading the first
+    batch and planning leave the random number generators as they were, so training draws
+    the numbers it would draw without the callback. `plan` is the plan applied, once made."""
+
+    def __init__(self, budget: int | float | str, *, cache: str | Path | None = None, solver: str = "auto",
+                 time_limit: float = 30.0) -> None:
+        self.budget = budget
+        self.cache = cache
+        self.solver = solver
+        self.time_limit = time_limit
+        self.plan: Plan | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:
+        if model is None or train_dataloader is None:
+            raise ValueError("optremat's PlanCallback needs the Trainer's model and training dataloader")
+        if getattr(model, "is_gradient_checkpointing", False):
+            raise ValueError("the model has transformers' gradient checkpointing on: optremat plans checkpointing "
+                             "itself; leave TrainingArguments(gradient_checkpointing=False) with this callback")
+        device = next(model.parameters()).device
+        training = model.training
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            batch = _on(next(iter(train_dataloader)), device)
+            model.train()
+            try:
+                self.plan = make_plan(model, batch, self.budget, cache=self.cache, solver=self.solver,
+                                      time_limit=self.time_limit)
+            finally:
+                model.train(training)
+        log.info("optremat: %s", self.plan.summary().replace("\n", "; "))
+        apply(model, self.plan, replan=Replanning(self.budget, cache=self.cache, solver=self.solver,
+                                                  time_limit=self.time_limit))
+
+
+def _on(batch: Any, device: torch.device) -> Any:
+    """A batch from the dataloader on the model's device, as the Trainer moves it."""
+    if isinstance(batch, dict) or hasattr(batch, "items"):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch
