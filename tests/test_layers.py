@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "optremat"
 LAYERS = (
     {"graph", "published", "synthetic", "schedule", "solution", "budget", "coarsen", "order", "sharding"},
     {"heuristics", "ilp", "solve", "batch", "regions"},
-    {"costs", "extract", "fingerprint", "models", "cache", "plan", "planning", "native_plan", "op_plan"},
+    {"costs", "extract", "inputs", "fingerprint", "models", "cache", "plan", "planning", "native_plan", "op_plan"},
     {"runtime", "compiler", "distributed", "integrations"},
     {"bench", "cli", "plots"},
 )
