@@ -24,12 +24,14 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def train(tmp_path, callbacks: list) -> list[float]:
+def train(tmp_path, callbacks: list, checkpointing: bool = False) -> list[float]:
     """Losses of three Trainer steps of a GPT-2 from its config, seeded alike."""
     transformers.set_seed(0)
     config = transformers.GPT2Config(vocab_size=2000, n_embd=64, n_layer=3, n_head=4, n_positions=128,
                                      use_cache=False, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
+    if checkpointing:
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
                                           logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
                                           seed=0, disable_tqdm=True)
@@ -48,3 +50,8 @@ def test_the_trainer_callback_plans_on_the_first_batch_and_trains_the_same(tmp_p
     again = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=5)
     train(tmp_path / "again", [again])
     assert again.plan.cached
+
+
+def test_the_callback_refuses_a_model_with_transformers_own_checkpointing(tmp_path) -> None:
+    with pytest.raises(ValueError, match="own activation checkpointing"):
+        train(tmp_path, [PlanCallback(0.7, time_limit=5)], checkpointing=True)

@@ -1,4 +1,4 @@
-"""A plan never changes what the model computes (DESIGN.md, semantics 7): a module's own
+"""A plan never changes what the model computes: a module's own
 forward runs, buffers change once per step, a plan runs in every training step it was
 made for and says so when it cannot, a plan that does not fit the model is refused before
 anything is installed, and a planned model saved whole loads and trains the same."""

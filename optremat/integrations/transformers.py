@@ -41,9 +41,10 @@ class PlanCallback(TrainerCallback):
                        train_dataloader: Any = None, **kwargs: Any) -> None:
         if model is None or train_dataloader is None:
             raise ValueError("optremat's PlanCallback needs the Trainer's model and training dataloader")
-        if getattr(model, "is_gradient_checkpointing", False):
-            raise ValueError("the model has transformers' gradient checkpointing on: optremat plans checkpointing "
-                             "itself; leave TrainingArguments(gradient_checkpointing=False) with this callback")
+        if _checkpointing(model):
+            raise ValueError("the model has transformers' own activation checkpointing on, and optremat plans "
+                             "checkpointing itself: leave TrainingArguments' activation_checkpointing (or "
+                             "gradient_checkpointing) off with this callback")
         device = next(model.parameters()).device
         training = model.training
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -57,6 +58,14 @@ class PlanCallback(TrainerCallback):
         log.info("optremat: %s", self.plan.summary().replace("\n", "; "))
         apply(model, self.plan, replan=Replanning(self.budget, cache=self.cache, solver=self.solver,
                                                   time_limit=self.time_limit))
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Whether transformers' own checkpointing is on (its newer name first)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def _on(batch: Any, device: torch.device) -> Any:
