@@ -29,7 +29,7 @@ import numpy as np
 
 from optremat.graph import Graph
 from optremat.heuristics.benefit import drop_order
-from optremat.schedule import Schedule, SimResult, simulate
+from optremat.schedule import InvalidSchedule, Schedule, SimResult, simulate
 
 Call = tuple[str, int]
 """A module call: the module's path and how many calls of it came before in the step."""
@@ -484,23 +484,35 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
     order = drop_order(graph)
     found = []
     for structure in rmap.structures():
-        inside = np.zeros(graph.n, dtype=bool)
-        for call in structure:
-            inside[rmap.members[call]] = True
-        starts = [("solver", solver_kept)] if solver_kept is not None else []
-        starts.append(("benefit", np.ones(graph.n, dtype=bool)))
-        for label, start in starts:
-            drops = [v for v in order.tolist() if start[v] and inside[v]]
-            found.append(_shortest(lambda k: _dropping(rmap, structure, start, drops[:k], label),
-                                   len(drops), budget))
-        ranked = _by_yield(rmap, structure)
-        whole = _shortest(lambda k: _whole(rmap, ranked, k), len(ranked), budget)
-        found.append(whole)
-        for start in (whole, _whole(rmap, structure, len(structure))):
-            found.append(_saved_again(rmap, structure, inside, start, budget))
-        blocks = _repeated(rmap, structure)
-        if blocks and len(blocks) < len(structure):
-            found.append(_whole(rmap, blocks, len(blocks)))
+        try:
+            found += _seeds(rmap, structure, budget, order, solver_kept)
+        except InvalidSchedule:
+            continue  # some region set of it does not lower; the exact search still covers its calls
+    return found
+
+
+def _seeds(rmap: RegionMap, structure: tuple[Call, ...], budget: int, order: np.ndarray,
+           solver_kept: np.ndarray | None) -> list[Priced]:
+    """The region plans of one structure that `search` seeds the exact search with."""
+    graph = rmap.graph
+    found = []
+    inside = np.zeros(graph.n, dtype=bool)
+    for call in structure:
+        inside[rmap.members[call]] = True
+    starts = [("solver", solver_kept)] if solver_kept is not None else []
+    starts.append(("benefit", np.ones(graph.n, dtype=bool)))
+    for label, start in starts:
+        drops = [v for v in order.tolist() if start[v] and inside[v]]
+        found.append(_shortest(lambda k: _dropping(rmap, structure, start, drops[:k], label),
+                               len(drops), budget))
+    ranked = _by_yield(rmap, structure)
+    whole = _shortest(lambda k: _whole(rmap, ranked, k), len(ranked), budget)
+    found.append(whole)
+    for start in (whole, _whole(rmap, structure, len(structure))):
+        found.append(_saved_again(rmap, structure, inside, start, budget))
+    blocks = _repeated(rmap, structure)
+    if blocks and len(blocks) < len(structure):
+        found.append(_whole(rmap, blocks, len(blocks)))
     return found
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import optremat
@@ -181,6 +181,9 @@ def check(tree: Any) -> None:
 
 @settings(max_examples=6)
 @given(trees)
+@example(('residual', [('twice', ['tanh']), ('pair', [('loop', ['linear']), ('residual', ['linear', 'layernorm',
+                                                                                         'layernorm'])]),
+                       ('loop', [('twice', ['steps reassigned', 'spare parameter']), 'steps in place'])]))
 def test_random_module_structures_plan_correctly_or_refuse(tree: Any) -> None:
     check(tree)
 

@@ -22,6 +22,7 @@ from optremat.graph import Graph
 from optremat.ilp.region_model import Atom, Literal, RegionModel, Row
 from optremat.ilp.search import configure
 from optremat.regions import Call, Priced, Region, RegionMap, price
+from optremat.schedule import InvalidSchedule
 
 SCALE = 1e10
 """Integer units of cost in the unplanned step's cost: each op's cost is rounded down to
@@ -110,7 +111,14 @@ def _solve_lazily(cp: "_Cp", values: dict[Atom, bool] | None, time_limit: float,
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return status, solver, None
         values = {atom: bool(solver.value(var)) for atom, var in cp.var.items()}
-        priced = price(rmap, model.chosen(values), model.kept(values), "cpsat-regions")
+        try:
+            priced = price(rmap, model.chosen(values), model.kept(values), "cpsat-regions")
+        except InvalidSchedule:  # a region set whose lowering the simulator refuses: never returned
+            cp.forbid(values)
+            values = None
+            if time.perf_counter() - started >= time_limit:
+                return status, solver, None
+            continue
         curve, limit = priced.result.curve, cp.limit(solver)
         order = np.argsort(-curve, kind="stable")
         over = order[curve[order] > limit]
@@ -178,6 +186,10 @@ class _Cp:
         self.cp.clear_hints()
         for atom, var in self.var.items() if values is not None else ():
             self.cp.add_hint(var, bool(values.get(atom, False)))
+
+    def forbid(self, values: dict[Atom, bool]) -> None:
+        """Exclude one plan (one the simulator cannot run)."""
+        self.cp.add_bool_or([var.Not() if values[atom] else var for atom, var in self.var.items()])
 
     def add_rows(self, rows) -> int:
         """Add the rows not in the model yet; how many were added."""
