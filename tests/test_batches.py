@@ -34,18 +34,26 @@ def own_loss_step(model: nn.Module, batch: dict) -> tuple[float, dict[str, torch
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def test_a_dict_batch_with_labels_plans_the_models_own_loss() -> None:
-    model, batch = gpt2()
+def planned_step_is_exact(model: nn.Module, batch: dict) -> optremat.Plan:
+    """Plan `model` on `batch` at 0.7 without a loss_fn and apply it: the applied step's loss
+    and gradients equal the unplanned step's bitwise; the plan, which checkpoints something."""
     state = copy.deepcopy(model.state_dict())
     want = own_loss_step(model, batch)
     plan = optremat.plan(model, batch, 0.7, time_limit=5, deterministic=True)
-    assert plan.regions and "the model's own" in plan.summary()
+    assert plan.regions
     optremat.apply(model, plan)
     model.load_state_dict(state)
     got = own_loss_step(model, batch)
     assert got[0] == want[0]
     for name, grad in want[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+    return plan
+
+
+def test_a_dict_batch_with_labels_plans_the_models_own_loss() -> None:
+    model, batch = gpt2()
+    plan = planned_step_is_exact(model, batch)
+    assert "the model's own" in plan.summary()
     params = list(model.parameters())
 
     def step() -> tuple:
@@ -123,16 +131,7 @@ def test_mixture_of_experts_models_plan_in_any_float_dtype_with_exact_gradients(
     model = moe(kind, dtype)
     ids = torch.randint(0, 1000, (2, 256))
     batch = {"input_ids": ids, "labels": ids}
-    state = copy.deepcopy(model.state_dict())
-    want = own_loss_step(model, batch)
-    plan = optremat.plan(model, batch, 0.7, time_limit=5, deterministic=True)
-    assert plan.regions
-    optremat.apply(model, plan)
-    model.load_state_dict(state)
-    got = own_loss_step(model, batch)
-    assert got[0] == want[0]
-    for name, grad in want[1].items():
-        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+    plan = planned_step_is_exact(model, batch)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> tuple:
