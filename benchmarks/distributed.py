@@ -43,7 +43,7 @@ import optremat
 from benchmarks.report import machine, table
 from optremat import DDP, FSDP, Region
 from optremat.distributed.trial import run
-from optremat.graph import format_bytes
+from optremat.core.graph import format_bytes
 from optremat.plots import plot_lines
 
 OUT = Path(__file__).resolve().parent / "distributed.md"

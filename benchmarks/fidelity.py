@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from optremat import extract, keep_all, simulate
-from optremat.coarsen import coarsen
-from optremat.graph import format_bytes
+from optremat.core.coarsen import coarsen
+from optremat.core.graph import format_bytes
 from optremat.models import BUILDERS, build
 from optremat.runtime.measure import measure_step
 

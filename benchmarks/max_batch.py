@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 from optremat import InfeasibleBudget, extract, keep_all, simulate
-from optremat import published
-from optremat.batch import graph_at, max_batch
-from optremat.budget import parse_size
+from optremat.core import published
+from optremat.planners.batch import graph_at, max_batch
+from optremat.core.budget import parse_size
 from optremat.heuristics import NotAChain
 from optremat.ilp.cpsat import min_peak_cpsat
 from optremat.models import build
-from optremat.solve import HEURISTICS
+from optremat.planners.solve import HEURISTICS
 from benchmarks.report import machine, table
 
 OUT = Path(__file__).with_name("max_batch.md")

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 import optremat
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend, under
-from optremat.costs import COST_MODELS
-from optremat.graph import format_bytes
+from optremat.tracing.costs import COST_MODELS
+from optremat.core.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
 

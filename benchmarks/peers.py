@@ -17,7 +17,7 @@ import numpy as np
 
 from optremat import keep_all, plan, simulate
 from optremat.bench import Measured, compare
-from optremat.graph import format_bytes
+from optremat.core.graph import format_bytes
 from optremat.models import build
 from benchmarks.report import machine, table
 from optremat.plots import plot_lines

@@ -193,7 +193,7 @@ def main() -> None:
                 f"peak-minimising run (limit {config.plan_limit:g} s; the run with sharing is hinted with the plan "
                 "without), then `auto`'s overhead at 90% of the unplanned peak.", "",
                 layout.share_section(list(layout.SHARE_MODELS), 0.9, config.plan_limit), "",
-                "Execution order: the traced order against the one `optremat.order.best_order` picks (greedy "
+                "Execution order: the traced order against the one `optremat.core.order.best_order` picks (greedy "
                 "least-net-bytes list scheduling, in-place ops kept after the readers of what they overwrite; kept "
                 "only where the unplanned peak drops). The budget is 70% of the traced order's unplanned peak. "
                 "Compiled graphs run a reordered plan (`compile_backend(..., order=\"best\")`); the native runtime "

@@ -24,7 +24,7 @@ import torch
 
 import optremat
 from optremat.bench import under
-from optremat.graph import format_bytes
+from optremat.core.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
 

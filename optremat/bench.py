@@ -22,16 +22,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from optremat.budget import InfeasibleBudget, resolve_budget
-from optremat.coarsen import Coarsened, coarsen
-from optremat.graph import Graph, format_bytes
+from optremat.core.budget import InfeasibleBudget, resolve_budget
+from optremat.core.coarsen import Coarsened, coarsen
+from optremat.core.graph import Graph, format_bytes
 from optremat.heuristics import NotAChain
-from optremat.plan import Plan
-from optremat.planning import plan
+from optremat.planning.result import Plan
+from optremat.planning.model import plan
 from optremat.runtime.apply import apply, remove
 from optremat.runtime.measure import measure_peak
-from optremat.schedule import keep_all, simulate
-from optremat.solve import SOLVERS, solve
+from optremat.core.schedule import keep_all, simulate
+from optremat.planners.solve import SOLVERS, solve
 
 Step = Callable[[], Any]
 Report = Callable[["Measured"], None]

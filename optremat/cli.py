@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from optremat import published
-from optremat.budget import InfeasibleBudget
-from optremat.coarsen import coarsen
-from optremat.graph import Graph, GraphError, format_bytes
-from optremat.schedule import keep_all, simulate
-from optremat.solve import SOLVERS
+from optremat.core import published
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.coarsen import coarsen
+from optremat.core.graph import Graph, GraphError, format_bytes
+from optremat.core.schedule import keep_all, simulate
+from optremat.planners.solve import SOLVERS
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "optremat"
 EXIT_BAD_INPUT = 2
@@ -32,7 +32,7 @@ EXIT_INFEASIBLE = 3
 def _load(args: argparse.Namespace) -> tuple[Graph, str]:
     if args.graph:
         return published.load(args.graph), args.graph
-    from optremat.extract import extract
+    from optremat.tracing.extract import extract
     from optremat.models import load
 
     example = load(args.model)
@@ -79,9 +79,9 @@ def _plan_command(args: argparse.Namespace) -> int:
             raise ValueError("--share is for --graph files: a model's plan runs its module calls under checkpoint, "
                              "which cannot write over inputs (compiled graphs can: optremat.compile_backend)")
         return _plan_model(args, progress)
-    from optremat.budget import resolve_budget
-    from optremat.plan import write_atomically
-    from optremat.solve import solve
+    from optremat.core.budget import resolve_budget
+    from optremat.planning.result import write_atomically
+    from optremat.planners.solve import solve
 
     graph = published.load(args.graph)
     budget = resolve_budget(graph, args.budget)
@@ -117,7 +117,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
     from optremat.models import load
-    from optremat.planning import plan
+    from optremat.planning.model import plan
 
     example = load(args.model)
     result = plan(example.model, example.inputs, args.budget, solver=args.solver, time_limit=args.time_limit,
@@ -146,7 +146,7 @@ def _check_source(args: argparse.Namespace) -> None:
 
 def _check_plan_options(args: argparse.Namespace) -> None:
     """Refuse what `plan` cannot serve before loading, tracing or solving anything."""
-    from optremat.budget import check_budget
+    from optremat.core.budget import check_budget
 
     _check_source(args)
     check_budget(args.budget)
@@ -187,7 +187,7 @@ def _after_save(failed: OSError | None) -> int:
 
 def _parallel(args: argparse.Namespace) -> Any:
     """The data-parallel job whose one rank `--fsdp` or `--ddp` (with `--world`) plans, or None."""
-    from optremat.sharding import DDP, FSDP
+    from optremat.core.sharding import DDP, FSDP
 
     if args.fsdp is None and not args.ddp:
         if args.world is not None:
@@ -215,7 +215,7 @@ def _plan_report(source: str, result: Any) -> dict[str, Any]:
 
 
 def _cache_command(args: argparse.Namespace) -> int:
-    from optremat.cache import PlanCache
+    from optremat.planning.cache import PlanCache
 
     store = PlanCache(args.dir)
     if args.action == "clear":
@@ -230,9 +230,9 @@ def _cache_command(args: argparse.Namespace) -> int:
 
 
 def _max_batch_command(args: argparse.Namespace) -> int:
-    from optremat.batch import graph_at, max_batch
-    from optremat.budget import parse_size
-    from optremat.extract import extract
+    from optremat.planners.batch import graph_at, max_batch
+    from optremat.core.budget import parse_size
+    from optremat.tracing.extract import extract
     from optremat.models import build
 
     memory = parse_size(args.memory)
@@ -262,7 +262,7 @@ def _bench_command(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from optremat.bench import PLANNERS, compare, compare_planners
-    from optremat.extract import extract
+    from optremat.tracing.extract import extract
     from optremat.models import load
 
     fractions = [float(f) for f in args.budgets.split(",")]
@@ -327,7 +327,7 @@ def _columns(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _show_command(args: argparse.Namespace) -> int:
-    from optremat.plan import Plan
+    from optremat.planning.result import Plan
 
     result = Plan.load(args.plan)
     if args.plot:
@@ -450,7 +450,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from optremat.extract import ExtractionError
+    from optremat.tracing.extract import ExtractionError
 
     try:
         return args.run(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from optremat import Graph
-from optremat.synthetic import training_chain
+from optremat.core.synthetic import training_chain
 
 __all__ = ["graphs", "training_chain", "training_graphs"]
 

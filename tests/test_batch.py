@@ -10,7 +10,7 @@ import pytest
 from optremat import extract, keep_all, simulate
 from tests import console
 from tests.console import Ran
-from optremat.batch import graph_at, max_batch
+from optremat.planners.batch import graph_at, max_batch
 from optremat.models import build
 
 

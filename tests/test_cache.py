@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import errno
-import importlib
 import io
 import json
 import os
@@ -20,10 +19,9 @@ import torch.nn as nn
 
 import optremat
 from optremat.ilp.region_cpsat import RegionSolution
+from optremat.planning import model as planning
+from optremat.planning import native as native_plan
 from tests.console import Ran, run
-
-planning = importlib.import_module("optremat.planning")
-native_plan = importlib.import_module("optremat.native_plan")
 
 MODEL = textwrap.dedent("""
     import torch, torch.nn as nn

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optremat import extract, from_kept, keep_all, recompute_all, simulate
-from optremat.coarsen import coarsen
+from optremat.core.coarsen import coarsen
 from optremat.models import build
 from tests.dags import graphs
 

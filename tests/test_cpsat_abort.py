@@ -12,15 +12,15 @@ import pytest
 from optremat import keep_all, resolve_budget
 from optremat.ilp.interval import IntervalModel
 from optremat.ilp.search import safe_hint
-from optremat.solve import heuristic
-from optremat.synthetic import training_chain
+from optremat.planners.solve import heuristic
+from optremat.core.synthetic import training_chain
 
 INFEASIBLE_HINTED = """
 import sys
 from optremat import keep_all, solve
-from optremat.budget import InfeasibleBudget
+from optremat.core.budget import InfeasibleBudget
 from optremat.ilp import search
-from optremat.synthetic import training_chain
+from optremat.core.synthetic import training_chain
 
 search.PRESOLVE_LIMIT = 0
 graph = training_chain([1.0] * 5, [4] * 5)

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 from optremat import ExtractionError, extract, keep_all, simulate
-from optremat.extract import trace
+from optremat.tracing.extract import trace
 from optremat.models import BUILDERS, build
 from optremat.runtime.measure import measure_step
 
@@ -180,7 +180,7 @@ def test_gpt_small_extracts_on_fake_tensors():
 def test_the_cost_profile_follows_the_device(monkeypatch):
     """Plans for a model on a GPU are priced with that GPU's profile, and a GPU without
     one is priced as an H100 with a warning that says so."""
-    from optremat.costs import profile_for
+    from optremat.tracing.costs import profile_for
 
     assert profile_for(torch.device("cpu")) == "cpu"
     for name, profile in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")):
@@ -195,7 +195,7 @@ def test_the_cost_profile_follows_the_device(monkeypatch):
 def test_a_convolution_backward_is_priced_with_the_temporaries_it_allocates(stride, transposed):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from optremat.costs import workspace_bytes
+    from optremat.tracing.costs import workspace_bytes
     from optremat.runtime.measure import measure_peak
 
     x = torch.randn(8, 32, 64, 64)
@@ -294,7 +294,7 @@ def test_tracing_is_per_thread():
     """A trace under way on one thread leaves plans on other threads' models running."""
     import threading
 
-    from optremat.extract import _tracing, tracing
+    from optremat.tracing.extract import _tracing, tracing
 
     inside, release, seen = threading.Event(), threading.Event(), []
 
@@ -319,7 +319,7 @@ def test_the_assumed_loss_prices_a_causal_lm_loss_written_after_the_model():
     cross-entropy."""
     import torch.nn.functional as F
 
-    from optremat.extract import assumed_loss, output_loss_bytes
+    from optremat.tracing.extract import assumed_loss, output_loss_bytes
 
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.empty(4, 32, 512, dtype=dtype, requires_grad=True)

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from optremat import Graph, GraphError, published
+from optremat import Graph, GraphError
+
+from optremat.core import published
 from tests.dags import graphs
 
 GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"

@@ -7,7 +7,7 @@ from optremat import Graph, InfeasibleBudget, keep_all, simulate, solve
 from optremat.heuristics import NotAChain
 from optremat.heuristics.chen import cut_points
 from optremat.heuristics.mirror import mirror_path
-from optremat.solve import HEURISTICS
+from optremat.planners.solve import HEURISTICS
 from tests.dags import graphs, training_chain
 
 

@@ -12,9 +12,9 @@ import networkx as nx
 PACKAGE = Path(__file__).resolve().parent.parent / "optremat"
 
 LAYERS = (
-    {"graph", "published", "synthetic", "schedule", "solution", "budget", "coarsen", "order", "sharding"},
-    {"heuristics", "ilp", "solve", "batch", "regions"},
-    {"costs", "extract", "inputs", "fingerprint", "models", "cache", "plan", "planning", "native_plan", "op_plan"},
+    {"core"},
+    {"heuristics", "ilp", "planners"},
+    {"tracing", "planning", "models"},
     {"runtime", "compiler", "distributed", "integrations"},
     {"bench", "cli", "plots"},
 )
@@ -89,9 +89,25 @@ def test_the_graph_and_planner_layers_import_no_torch() -> None:
 def test_the_graph_level_imports_without_torch() -> None:
     """`import optremat` and the graph, planner and published-graph modules leave torch
     unloaded; the names that need it load it on first use."""
-    code = ("import sys, optremat, optremat.graph, optremat.published, optremat.solve, optremat.regions\n"
+    code = ("import sys, optremat, optremat.core.graph, optremat.core.published, optremat.planners.solve, "
+            "optremat.planners.regions, optremat.heuristics, optremat.ilp.cpsat\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n"
             "optremat.plan\n"
             "assert 'torch' in sys.modules and callable(optremat.plan) and callable(optremat.extract)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_no_two_top_level_names_differ_only_by_plan() -> None:
+    """A reader tells the top-level modules and packages apart by name: none is another
+    with "plan" (or "planning") added before or after."""
+    names = {path.stem if path.is_file() else path.name for path in PACKAGE.iterdir()
+             if (path.suffix == ".py" or (path / "__init__.py").exists()) and path.stem != "__init__"}
+    stripped = {}
+    for name in names:
+        bare = name
+        for affix in ("planning", "plan"):
+            bare = bare.removeprefix(affix).removesuffix(affix).strip("_")
+        stripped.setdefault(bare, set()).add(name)
+    clashes = [sorted(group) for group in stripped.values() if len(group) > 1]
+    assert not clashes, clashes

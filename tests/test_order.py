@@ -6,8 +6,8 @@ from hypothesis import given, settings
 import optremat
 from optremat import keep_all, simulate
 from optremat.models import build
-from optremat.order import best_order, min_memory_order, reorder, sunk_views
-from optremat.schedule import from_kept
+from optremat.core.order import best_order, min_memory_order, reorder, sunk_views
+from optremat.core.schedule import from_kept
 from tests.dags import graphs
 
 

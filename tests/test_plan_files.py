@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib
 import json
 import math
 from pathlib import Path
@@ -18,9 +17,8 @@ import torch.nn as nn
 
 import optremat
 from optremat.models import build
+from optremat.planning import model as planning
 from tests.dags import training_chain
-
-planning = importlib.import_module("optremat.planning")
 
 
 @pytest.fixture(scope="module")

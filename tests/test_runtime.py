@@ -13,9 +13,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optremat
-from optremat.costs import DEVICES
+from optremat.tracing.costs import DEVICES
 from optremat.models import GPT, build
-from optremat.regions import Region
+from optremat.planners.regions import Region
 from optremat.runtime.measure import measure_peak
 
 

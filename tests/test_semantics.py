@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import optremat
-from optremat.regions import Region
+from optremat.planners.regions import Region
 
 
 class Residual(nn.Sequential):

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 import optremat
 from optremat import DDP, FSDP
-from optremat.extract import Traced, trace
-from optremat.graph import Graph
+from optremat.tracing.extract import Traced, trace
+from optremat.core.graph import Graph
 from optremat.models import build
-from optremat.native_plan import region_map
-from optremat.schedule import keep_all, recompute_all, simulate
-from optremat.sharding import per_rank, shard_bytes, unit_of
+from optremat.planning.native import region_map
+from optremat.core.schedule import keep_all, recompute_all, simulate
+from optremat.core.sharding import per_rank, shard_bytes, unit_of
 from tests.dags import graphs
 
 

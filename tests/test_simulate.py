@@ -4,7 +4,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InvalidSchedule, Schedule, from_kept, keep_all, recompute_all, simulate
-from optremat.schedule import from_computations, read_through, run_peak, without_recomputing, without_unread
+from optremat.core.schedule import from_computations, read_through, run_peak, without_recomputing, without_unread
 from tests.dags import graphs
 
 

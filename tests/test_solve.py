@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
-from optremat import published
+from optremat.core import published
 from optremat.ilp.interval import IntervalModel
-from optremat.solve import HEURISTICS, best_heuristic
-from optremat.synthetic import random_training_graph
+from optremat.planners.solve import HEURISTICS, best_heuristic
+from optremat.core.synthetic import random_training_graph
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
 

@@ -24,23 +24,23 @@ import torch.fx as fx
 from torch._functorch.compile_utils import fx_graph_cse
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from optremat.budget import InfeasibleBudget, check_budget, resolve_budget
-from optremat.cache import PlanCache
+from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
+from optremat.planning.cache import PlanCache
 from optremat.compiler.inductor import compile_in_plan_order, inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.known import known, remember
 from optremat.compiler.partition import partition, writable
 from optremat.compiler.torch_partitions import RIVALS, Rivals, torch_keep_sets
-from optremat.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
-from optremat.extract import depending_on
-from optremat.fingerprint import package_version
-from optremat.graph import Graph, format_bytes
-from optremat.op_plan import ATTEMPTS, kept_plan, least_plan, plan_step
-from optremat.order import best_order, sunk_views
-from optremat.plan import Plan
-from optremat.schedule import Schedule, kept_for_backward, simulate, without_recomputing, without_unread
-from optremat.solution import FEASIBLE, OPTIMAL
-from optremat.solve import SOLVERS
+from optremat.tracing.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
+from optremat.tracing.extract import depending_on
+from optremat.tracing.fingerprint import package_version
+from optremat.core.graph import Graph, format_bytes
+from optremat.planning.ops import ATTEMPTS, kept_plan, least_plan, plan_step
+from optremat.core.order import best_order, sunk_views
+from optremat.planning.result import Plan
+from optremat.core.schedule import Schedule, kept_for_backward, simulate, without_recomputing, without_unread
+from optremat.core.solution import FEASIBLE, OPTIMAL
+from optremat.planners.solve import SOLVERS
 
 INNER = ("inductor", "aot_eager")
 ORDERS = ("traced", "best")
@@ -305,7 +305,7 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     `time_limit`, `deterministic`, `seed` and `workers` are `plan()`'s; `cache`, a
     directory, keeps plans across processes, so the second compile of the same graph
     solves nothing. `order="best"` lets the graphs run independent ops in another order
-    where that lowers the unplanned peak (`optremat.order.best_order`). `cost_model` is
+    where that lowers the unplanned peak (`optremat.core.order.best_order`). `cost_model` is
     "roofline" (ops priced from FLOPs and bytes over `device`'s profile) or "profile"
     (each op of the joint graph timed on this machine as the graph is planned, on random
     tensors of its shapes). With `solver="auto"`, PyTorch's own min-cut partitions of the

@@ -28,9 +28,9 @@ from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch.partitioners import _is_primal, _is_tangent, classify_nodes
 from torch.utils._pytree import arg_tree_leaves
 
-from optremat.costs import DeviceProfile, profile_costs, roofline_cost
-from optremat.extract import BATCH_NORMS, ExtractionError, assumed_loss, mutated_inputs, output_loss_bytes, to_graph
-from optremat.graph import Graph
+from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost
+from optremat.tracing.extract import BATCH_NORMS, ExtractionError, assumed_loss, mutated_inputs, output_loss_bytes, to_graph
+from optremat.core.graph import Graph
 from optremat.runtime.ops import is_random
 
 

@@ -24,7 +24,7 @@ from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import _size_of
 from torch._inductor.custom_graph_pass import CustomKnapsackSolver, CustomRuntimeEstimator
 
-from optremat.costs import node_flops
+from optremat.tracing.costs import node_flops
 
 RESOLUTION = 10**9
 """Runtimes are scaled to integers of this resolution relative to the largest."""

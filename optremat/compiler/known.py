@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from optremat.plan import Plan
+from optremat.planning.result import Plan
 
 GRAPHS = 64
 """Keys whose plans are kept; the least recently used is dropped beyond that, so that a

@@ -20,7 +20,7 @@ import torch._functorch.config as functorch_config
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 
 RIVALS = "pytorch-min-cut"
 """Names the rival partitions in plan cache keys: plans made without them are not reused."""

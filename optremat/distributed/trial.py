@@ -19,7 +19,7 @@ from optremat.distributed.wrap import held_by_rank, wrap
 from optremat.models import CrossEntropy, Example, build
 from optremat.runtime.apply import apply
 from optremat.runtime.measure import measure_peak
-from optremat.sharding import Parallel
+from optremat.core.sharding import Parallel
 
 
 WARM_UP = 2

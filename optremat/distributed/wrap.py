@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from optremat.sharding import FSDP, Parallel, matcher
+from optremat.core.sharding import FSDP, Parallel, matcher
 
 
 def wrap(model: nn.Module, parallel: Parallel, **kwargs: Any) -> nn.Module:

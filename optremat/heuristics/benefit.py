@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from optremat.budget import InfeasibleBudget
-from optremat.graph import Graph
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.graph import Graph
 from optremat.heuristics.select import droppable
-from optremat.schedule import Schedule, from_kept, simulate
+from optremat.core.schedule import Schedule, from_kept, simulate
 
 
 def drop_order(graph: Graph) -> np.ndarray:

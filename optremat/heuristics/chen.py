@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 from optremat.heuristics.select import cheapest_fitting, droppable
-from optremat.schedule import Schedule
+from optremat.core.schedule import Schedule
 
 
 def cut_points(graph: Graph) -> np.ndarray:

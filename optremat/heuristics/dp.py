@@ -36,11 +36,11 @@ from functools import reduce
 
 import numpy as np
 
-from optremat.budget import InfeasibleBudget
-from optremat.graph import Graph
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.graph import Graph
 from optremat.heuristics.chen import cut_points
 from optremat.heuristics.select import droppable
-from optremat.schedule import Schedule, from_computations, keep_all, run_peak, simulate
+from optremat.core.schedule import Schedule, from_computations, keep_all, run_peak, simulate
 
 MAX_BLOCKS = 64
 MAX_SLOTS = 256

@@ -14,9 +14,9 @@ import math
 
 import numpy as np
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 from optremat.heuristics.select import cheapest_fitting, droppable
-from optremat.schedule import Schedule
+from optremat.core.schedule import Schedule
 
 
 def _saved(graph: Graph) -> np.ndarray:

@@ -7,9 +7,9 @@ from typing import Iterable
 
 import numpy as np
 
-from optremat.budget import InfeasibleBudget
-from optremat.graph import Graph
-from optremat.schedule import Schedule, from_kept, simulate
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule, from_kept, simulate
 
 
 def droppable(graph: Graph) -> np.ndarray:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from optremat.budget import InfeasibleBudget
-from optremat.graph import Graph
-from optremat.schedule import Schedule, from_computations, simulate
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule, from_computations, simulate
 
 
 MAX_STEPS = 40

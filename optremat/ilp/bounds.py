@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 
 COVER_NONZEROS = 2_000_000
 """Covering problems larger than this are replaced by their strongest single row (the

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
-from optremat.graph import Graph
-from optremat.schedule import Schedule, from_computations
+from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule, from_computations
 
 def cost_scale(graph: Graph) -> float:
     """Factor that turns node costs into the integers CP-SAT needs: exact for integer

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from optremat.graph import Graph
-from optremat.schedule import Schedule, simulate
-from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL
+from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule, simulate
+from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL
 
 ALIGNMENT = 64
 """Bytes every allocation is rounded up to, as allocators align blocks."""

@@ -22,12 +22,12 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from optremat.ilp.bounds import solver_floor, tighten
-from optremat.budget import InfeasibleBudget
+from optremat.core.budget import InfeasibleBudget
 from optremat.ilp.cpsat import infeasible
 from optremat.ilp.search import seconds_left
-from optremat.graph import Graph
-from optremat.schedule import Schedule, from_computations, from_kept, simulate
-from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Solution
+from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule, from_computations, from_kept, simulate
+from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Solution
 
 BACKENDS = ("SCIP", "CBC", "CP_SAT", "HIGHS")
 

@@ -21,8 +21,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from optremat.graph import Graph
-from optremat.regions import Call, Region, RegionMap, Rerun
+from optremat.core.graph import Graph
+from optremat.planners.regions import Call, Region, RegionMap, Rerun
 
 Atom = tuple[str, int, int]
 Literal = tuple[Atom, bool]

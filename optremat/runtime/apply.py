@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from optremat.budget import check_budget
+from optremat.core.budget import check_budget
 from optremat.distributed.agree import PlanningFailed
 from optremat.distributed.agree import plan as plan_every_rank
-from optremat.inputs import Inputs, input_types
-from optremat.plan import Plan
-from optremat.planning import plan as make_plan
-from optremat.regions import Region
+from optremat.tracing.inputs import Inputs, input_types
+from optremat.planning.result import Plan
+from optremat.planning.model import plan as make_plan
+from optremat.planners.regions import Region
 from optremat.runtime import native
-from optremat.solve import SOLVERS
+from optremat.planners.solve import SOLVERS
 
 log = logging.getLogger("optremat")
 

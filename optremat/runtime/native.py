@@ -3,7 +3,7 @@
 Each module call a plan checkpoints runs its own forward under `torch.utils.checkpoint`
 (non-reentrant). A region whose policy saves ops gets PyTorch's selective checkpointing
 (`create_selective_checkpoint_contexts`) with a policy keyed by (op, occurrence in the
-call), the key `optremat.regions` prices. Everything else is the user's model as it is:
+call), the key `optremat.planners.regions` prices. Everything else is the user's model as it is:
 its Python forward runs on every step, hooks fire, parameters and `state_dict()` are
 untouched, and a plan keyed by module call and op occurrence holds at any input shape.
 
@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from optremat.extract import tracing
-from optremat.fingerprint import model_fingerprint
-from optremat.native_plan import runs_its_children
-from optremat.regions import Region, parse_span
+from optremat.tracing.extract import tracing
+from optremat.tracing.fingerprint import model_fingerprint
+from optremat.planning.native import runs_its_children
+from optremat.planners.regions import Region, parse_span
 
 _RUNTIME = "_optremat_runtime"
 _REGION = "_optremat_region"

@@ -17,8 +17,8 @@ from functools import cached_property
 
 import numpy as np
 
-from optremat.graph import Graph
-from optremat.schedule import Schedule
+from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from optremat.graph import Graph, GraphError
+from optremat.core.graph import Graph, GraphError
 
 
 def load(path: str | Path) -> Graph:

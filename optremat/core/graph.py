@@ -320,7 +320,7 @@ class Graph:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Graph":
         if data.get("format") != "optremat.graph":
-            raise GraphError("not an optremat graph (missing format tag); optremat.published.load reads published node-link graphs")
+            raise GraphError("not an optremat graph (missing format tag); optremat.core.published.load reads published node-link graphs")
         if data.get("version") != FORMAT_VERSION:
             raise GraphError(f"graph format version {data.get('version')} is not supported (this optremat reads {FORMAT_VERSION})")
         columns = {k: v for k, v in data.items() if k not in ("format", "version")}
@@ -331,7 +331,7 @@ class Graph:
 
     @classmethod
     def load(cls, path: str | Path) -> "Graph":
-        """Load an optremat graph file (`optremat.published.load` also reads the published
+        """Load an optremat graph file (`optremat.core.published.load` also reads the published
         node-link graphs)."""
         return cls.from_json(json.loads(Path(path).read_text()))
 

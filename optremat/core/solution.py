@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from optremat.schedule import Schedule
+from optremat.core.schedule import Schedule
 
 OPTIMAL = "OPTIMAL"
 FEASIBLE = "FEASIBLE"

@@ -9,13 +9,13 @@ from typing import Callable
 import numpy as np
 
 from optremat.ilp.bounds import solver_floor
-from optremat.budget import InfeasibleBudget, resolve_budget
-from optremat.graph import Graph
+from optremat.core.budget import InfeasibleBudget, resolve_budget
+from optremat.core.graph import Graph
 from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror, split_lifetimes
 from optremat.ilp.cpsat import solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
-from optremat.schedule import Schedule, keep_all, simulate
-from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
+from optremat.core.schedule import Schedule, keep_all, simulate
+from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
 
 HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
     "chen": chen_sqrt,

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 
 FORMAT_VERSION = 1
 

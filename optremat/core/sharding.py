@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from optremat.graph import Graph, format_bytes
+from optremat.core.graph import Graph, format_bytes
 from optremat.ilp.layout import ALIGNMENT, layout
-from optremat.regions import Region
-from optremat.schedule import Schedule
-from optremat.sharding import DDP, FSDP, Parallel
+from optremat.planners.regions import Region
+from optremat.core.schedule import Schedule
+from optremat.core.sharding import DDP, FSDP, Parallel
 
 FORMAT_VERSION = 5
 READS = (5,)

@@ -16,19 +16,19 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from optremat.budget import InfeasibleBudget
-from optremat.coarsen import coarsen
-from optremat.costs import device_profile, model_device
-from optremat.extract import DefaultLoss, Traced, trace
-from optremat.fingerprint import model_fingerprint
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.coarsen import coarsen
+from optremat.tracing.costs import device_profile, model_device
+from optremat.tracing.extract import DefaultLoss, Traced, trace
+from optremat.tracing.fingerprint import model_fingerprint
 from optremat.ilp.bounds import solver_floor
 from optremat.ilp.region_cpsat import least_peak, solve_regions
-from optremat.plan import Plan, loss_note
-from optremat.regions import Priced, Region, RegionMap, kept_of, price, search
-from optremat.schedule import keep_all, kept_for_backward, simulate
-from optremat.sharding import FSDP, Parallel, per_rank, unit_of
-from optremat.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
-from optremat.solve import solve
+from optremat.planning.result import Plan, loss_note
+from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search
+from optremat.core.schedule import keep_all, kept_for_backward, simulate
+from optremat.core.sharding import FSDP, Parallel, per_rank, unit_of
+from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
+from optremat.planners.solve import solve
 
 
 ROUNDING = 1e-6

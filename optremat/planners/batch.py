@@ -15,11 +15,11 @@ from typing import Callable
 
 import numpy as np
 
-from optremat.budget import InfeasibleBudget
-from optremat.coarsen import coarsen
-from optremat.graph import Graph
-from optremat.schedule import keep_all, simulate
-from optremat.solve import solve
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.coarsen import coarsen
+from optremat.core.graph import Graph
+from optremat.core.schedule import keep_all, simulate
+from optremat.planners.solve import solve
 
 
 @dataclass(frozen=True)

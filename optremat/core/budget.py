@@ -8,8 +8,8 @@ import re
 
 import numpy as np
 
-from optremat.graph import Graph, format_bytes
-from optremat.schedule import keep_all, simulate
+from optremat.core.graph import Graph, format_bytes
+from optremat.core.schedule import keep_all, simulate
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

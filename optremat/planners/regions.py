@@ -27,9 +27,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 from optremat.heuristics.benefit import drop_order
-from optremat.schedule import InvalidSchedule, Schedule, SimResult, simulate
+from optremat.core.schedule import InvalidSchedule, Schedule, SimResult, simulate
 
 Call = tuple[str, int]
 """A module call: the module's path and how many calls of it came before in the step."""

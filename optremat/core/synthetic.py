@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from optremat.graph import Graph
+from optremat.core.graph import Graph
 
 
 def training_chain(costs: list[float], sizes: list[int]) -> Graph:

@@ -2,7 +2,7 @@
 
 The runtime runs module calls of the user's model under checkpoint with selective
 policies, so plans are region plans, solved exactly in those decisions
-(`optremat.native_plan`). Here: checking the request, tracing the step, resolving the
+(`optremat.planning.native`). Here: checking the request, tracing the step, resolving the
 budget and the plan cache.
 """
 
@@ -19,17 +19,17 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from optremat.budget import ACCEPTED, check_budget, resolve_budget
-from optremat.cache import PlanCache
-from optremat.costs import model_device
-from optremat.extract import DefaultLoss, trace
-from optremat.fingerprint import model_fingerprint, package_version
-from optremat.graph import format_bytes
-from optremat.native_plan import region_map, solve_native
-from optremat.plan import Plan, loss_note
-from optremat.sharding import DDP, FSDP, Parallel
-from optremat.solution import Progress
-from optremat.solve import SOLVERS
+from optremat.core.budget import ACCEPTED, check_budget, resolve_budget
+from optremat.planning.cache import PlanCache
+from optremat.tracing.costs import model_device
+from optremat.tracing.extract import DefaultLoss, trace
+from optremat.tracing.fingerprint import model_fingerprint, package_version
+from optremat.core.graph import format_bytes
+from optremat.planning.native import region_map, solve_native
+from optremat.planning.result import Plan, loss_note
+from optremat.core.sharding import DDP, FSDP, Parallel
+from optremat.core.solution import Progress
+from optremat.planners.solve import SOLVERS
 
 
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,

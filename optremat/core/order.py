@@ -17,8 +17,8 @@ import re
 
 import numpy as np
 
-from optremat.graph import Graph
-from optremat.schedule import keep_all, simulate
+from optremat.core.graph import Graph
+from optremat.core.schedule import keep_all, simulate
 
 
 def reorder(graph: Graph, order: np.ndarray) -> Graph:
