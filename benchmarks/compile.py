@@ -44,10 +44,10 @@ import optremat
 from benchmarks.native import _seconds, case_of, compiled_loss
 from benchmarks.report import table, write_rows
 from optremat.bench import torch_budget_backend
-from optremat.tracing.costs import COST_MODELS
 from optremat.core.graph import format_bytes
 from optremat.plots import plot_lines
 from optremat.runtime.measure import measure_peak
+from optremat.tracing.costs import COST_MODELS
 
 HEADER = ["model", "inner", "method", "budget", "predicted peak", "measured peak", "measured / budget",
           "grads = eager", "predicted overhead", "PyTorch's cheapest within budget, priced",

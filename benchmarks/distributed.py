@@ -42,8 +42,8 @@ import torch.nn.functional as F
 import optremat
 from benchmarks.report import machine, table
 from optremat import DDP, FSDP, Region
-from optremat.distributed.trial import run
 from optremat.core.graph import format_bytes
+from optremat.distributed.trial import run
 from optremat.plots import plot_lines
 
 OUT = Path(__file__).resolve().parent / "distributed.md"

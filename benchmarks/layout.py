@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from benchmarks.report import machine, table
 from optremat import Graph, InfeasibleBudget, Schedule, extract, keep_all, resolve_budget, simulate, solve
 from optremat.core.coarsen import coarsen
 from optremat.core.graph import format_bytes
+from optremat.core.order import best_order
 from optremat.ilp.cpsat import min_peak_cpsat
 from optremat.ilp.layout import allocations, cpsat_layout, greedy_layout
 from optremat.models import build
-from optremat.core.order import best_order
-from benchmarks.report import machine, table
 
 HERE = Path(__file__).parent
 SHARE_MODELS = ("gpt-tiny", "resnet-tiny", "unet-tiny", "rnn-tiny")

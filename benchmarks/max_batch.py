@@ -13,15 +13,15 @@ import argparse
 import time
 from pathlib import Path
 
+from benchmarks.report import machine, table
 from optremat import InfeasibleBudget, extract, keep_all, simulate
 from optremat.core import published
-from optremat.planners.batch import graph_at, max_batch
 from optremat.core.budget import parse_size
 from optremat.heuristics import NotAChain
 from optremat.ilp.cpsat import min_peak_cpsat
 from optremat.models import build
+from optremat.planners.batch import graph_at, max_batch
 from optremat.planners.solve import HEURISTICS
-from benchmarks.report import machine, table
 
 OUT = Path(__file__).with_name("max_batch.md")
 CHECKMATE_VGG19 = {"checkpoint all": 167, "chen": 197, "ilp": 289}

@@ -49,10 +49,10 @@ import torch.nn.functional as F
 import optremat
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend, under
-from optremat.tracing.costs import COST_MODELS
 from optremat.core.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
+from optremat.tracing.costs import COST_MODELS
 
 HEADER = ["model", "method", "budget", "predicted peak", "measured peak", "measured / predicted",
           "predicted overhead", "measured overhead (median)", "optremat / peer (median)", "plan s"]

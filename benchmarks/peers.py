@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.report import machine, table
 from optremat import keep_all, plan, simulate
 from optremat.bench import Measured, compare
 from optremat.core.graph import format_bytes
 from optremat.models import build
-from benchmarks.report import machine, table
 from optremat.plots import plot_lines
 
 HERE = Path(__file__).parent

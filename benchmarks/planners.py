@@ -18,18 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.report import machine, table
 from optremat import Graph, InfeasibleBudget, extract, keep_all, resolve_budget, simulate, solve
+from optremat.bench import PLANNERS, compare_planners
 from optremat.core import published
 from optremat.core.coarsen import coarsen
+from optremat.core.synthetic import random_training_graph, training_chain
 from optremat.heuristics import NotAChain
+from optremat.heuristics.dp import MAX_BLOCKS, chain_dp
 from optremat.ilp.cpsat import solve_cpsat
 from optremat.ilp.milp import solve_milp
-from optremat.bench import PLANNERS, compare_planners
 from optremat.models import build
-from optremat.heuristics.dp import MAX_BLOCKS, chain_dp
 from optremat.planners.solve import HEURISTICS, MAX_COPIES
-from optremat.core.synthetic import random_training_graph, training_chain
-from benchmarks.report import machine, table
 from optremat.plots import plot_lines
 
 HERE = Path(__file__).parent

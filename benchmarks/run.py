@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import layout, max_batch, peers, planners, runtime
-from optremat.bench import PLANNERS
 from benchmarks.report import machine, table
+from optremat.bench import PLANNERS
 from optremat.plots import plot_lines
 
 HERE = Path(__file__).parent

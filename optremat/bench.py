@@ -25,13 +25,13 @@ from torch.utils.checkpoint import checkpoint
 from optremat.core.budget import InfeasibleBudget, resolve_budget
 from optremat.core.coarsen import Coarsened, coarsen
 from optremat.core.graph import Graph, format_bytes
+from optremat.core.schedule import keep_all, simulate
 from optremat.heuristics import NotAChain
-from optremat.planning.result import Plan
+from optremat.planners.solve import SOLVERS, solve
 from optremat.planning.model import plan
+from optremat.planning.result import Plan
 from optremat.runtime.apply import apply, remove
 from optremat.runtime.measure import measure_peak
-from optremat.core.schedule import keep_all, simulate
-from optremat.planners.solve import SOLVERS, solve
 
 Step = Callable[[], Any]
 Report = Callable[["Measured"], None]

@@ -32,8 +32,8 @@ EXIT_INFEASIBLE = 3
 def _load(args: argparse.Namespace) -> tuple[Graph, str]:
     if args.graph:
         return published.load(args.graph), args.graph
-    from optremat.tracing.extract import extract
     from optremat.models import load
+    from optremat.tracing.extract import extract
 
     example = load(args.model)
     return extract(example.model, example.inputs, example.loss_fn, device=args.device), f"model {args.model}"
@@ -80,8 +80,8 @@ def _plan_command(args: argparse.Namespace) -> int:
                              "which cannot write over inputs (compiled graphs can: optremat.compile_backend)")
         return _plan_model(args, progress)
     from optremat.core.budget import resolve_budget
-    from optremat.planning.result import write_atomically
     from optremat.planners.solve import solve
+    from optremat.planning.result import write_atomically
 
     graph = published.load(args.graph)
     budget = resolve_budget(graph, args.budget)
@@ -230,10 +230,10 @@ def _cache_command(args: argparse.Namespace) -> int:
 
 
 def _max_batch_command(args: argparse.Namespace) -> int:
-    from optremat.planners.batch import graph_at, max_batch
     from optremat.core.budget import parse_size
-    from optremat.tracing.extract import extract
     from optremat.models import build
+    from optremat.planners.batch import graph_at, max_batch
+    from optremat.tracing.extract import extract
 
     memory = parse_size(args.memory)
     graphs = []
@@ -262,8 +262,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from optremat.bench import PLANNERS, compare, compare_planners
-    from optremat.tracing.extract import extract
     from optremat.models import load
+    from optremat.tracing.extract import extract
 
     fractions = [float(f) for f in args.budgets.split(",")]
     torch_budgets = [float(b) for b in args.torch_budgets.split(",")] if args.torch_budgets else []

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from optremat import extract, keep_all, simulate
+from optremat.models import build
+from optremat.planners.batch import graph_at, max_batch
 from tests import console
 from tests.console import Ran
-from optremat.planners.batch import graph_at, max_batch
-from optremat.models import build
 
 
 def traced(name: str, batch: int):

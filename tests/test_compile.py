@@ -21,18 +21,18 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.virtualized import V
 
 import optremat
-from optremat.core.budget import InfeasibleBudget
 from optremat.compiler import backend as backend_module
 from optremat.compiler import known
 from optremat.compiler.joint import read_joint
 from optremat.compiler.knapsack import KnapsackSolver, runtime_estimate, solve_knapsack
 from optremat.compiler.partition import partition, writable
-from optremat.tracing.costs import device_profile
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.schedule import from_kept, keep_all, recompute_all, simulate
+from optremat.core.synthetic import training_chain
 from optremat.models import GPT, CrossEntropy, build
 from optremat.planning.ops import kept_plan
 from optremat.runtime.measure import measure_peak
-from optremat.core.schedule import from_kept, keep_all, recompute_all, simulate
-from optremat.core.synthetic import training_chain
+from optremat.tracing.costs import device_profile
 from tests.test_runtime import MODELS as RUNTIME_MODELS
 from tests.test_runtime import assert_same_step as assert_same_eager_step
 from tests.test_runtime import deep_mlp, train_step

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from optremat import keep_all, resolve_budget
+from optremat.core.synthetic import training_chain
 from optremat.ilp.interval import IntervalModel
 from optremat.ilp.search import safe_hint
 from optremat.planners.solve import heuristic
-from optremat.core.synthetic import training_chain
 
 INFEASIBLE_HINTED = """
 import sys

@@ -9,10 +9,10 @@ from ortools.sat.python import cp_model
 
 from optremat import Graph, from_kept, keep_all, resolve_budget, simulate
 from optremat.core.budget import InfeasibleBudget
+from optremat.core.synthetic import random_training_graph
 from optremat.ilp import search
 from optremat.ilp.cpsat import min_peak_cpsat, solve_cpsat
 from optremat.ilp.milp import solve_lp_rounding, solve_milp
-from optremat.core.synthetic import random_training_graph
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
 

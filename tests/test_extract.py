@@ -4,9 +4,9 @@ import torch
 import torch.nn as nn
 
 from optremat import ExtractionError, extract, keep_all, simulate
-from optremat.tracing.extract import trace
 from optremat.models import BUILDERS, build
 from optremat.runtime.measure import measure_step
+from optremat.tracing.extract import trace
 
 TINY = sorted(name for name in BUILDERS if name.endswith("-tiny"))
 
@@ -195,8 +195,8 @@ def test_the_cost_profile_follows_the_device(monkeypatch):
 def test_a_convolution_backward_is_priced_with_the_temporaries_it_allocates(stride, transposed):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from optremat.tracing.costs import workspace_bytes
     from optremat.runtime.measure import measure_peak
+    from optremat.tracing.costs import workspace_bytes
 
     x = torch.randn(8, 32, 64, 64)
     w = torch.randn(32, 16, 2, 2) if transposed else torch.randn(16, 32, 3, 3)

@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 
 from optremat import Graph, GraphError
-
 from optremat.core import published
 from tests.dags import graphs
 

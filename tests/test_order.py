@@ -5,9 +5,9 @@ from hypothesis import given, settings
 
 import optremat
 from optremat import keep_all, simulate
-from optremat.models import build
 from optremat.core.order import best_order, min_memory_order, reorder, sunk_views
 from optremat.core.schedule import from_kept
+from optremat.models import build
 from tests.dags import graphs
 
 

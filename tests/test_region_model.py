@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optremat.tracing.extract import trace
 from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.region_model import RegionModel
 from optremat.models import build
-from optremat.planning.native import ROUNDING, region_map
 from optremat.planners.regions import RegionMap, price, search
+from optremat.planning.native import ROUNDING, region_map
+from optremat.tracing.extract import trace
 
 MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny", "rnn-tiny", "unet-tiny")
 

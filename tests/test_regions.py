@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optremat
-from optremat.tracing.extract import trace
 from optremat.models import build
-from optremat.planning.native import region_map
 from optremat.planners.regions import RegionMap, kept_of, parse_span, price, span_path
+from optremat.planning.native import region_map
+from optremat.tracing.extract import trace
 
 MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny", "rnn-tiny", "unet-tiny", "vgg-tiny")
 

@@ -13,10 +13,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optremat
-from optremat.tracing.costs import DEVICES
 from optremat.models import GPT, build
 from optremat.planners.regions import Region
 from optremat.runtime.measure import measure_peak
+from optremat.tracing.costs import DEVICES
 
 
 def deep_mlp() -> tuple[nn.Module, tuple, callable]:

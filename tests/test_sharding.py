@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 import optremat
 from optremat import DDP, FSDP
-from optremat.tracing.extract import Traced, trace
 from optremat.core.graph import Graph
-from optremat.models import build
-from optremat.planning.native import region_map
 from optremat.core.schedule import keep_all, recompute_all, simulate
 from optremat.core.sharding import per_rank, shard_bytes, unit_of
+from optremat.models import build
+from optremat.planning.native import region_map
+from optremat.tracing.extract import Traced, trace
 from tests.dags import graphs
 
 

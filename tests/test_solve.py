@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate, solve
 from optremat.core import published
+from optremat.core.synthetic import random_training_graph
 from optremat.ilp.interval import IntervalModel
 from optremat.planners.solve import HEURISTICS, best_heuristic
-from optremat.core.synthetic import random_training_graph
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain
 

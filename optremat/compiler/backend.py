@@ -24,23 +24,23 @@ import torch.fx as fx
 from torch._functorch.compile_utils import fx_graph_cse
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
-from optremat.planning.cache import PlanCache
 from optremat.compiler.inductor import compile_in_plan_order, inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.known import known, remember
 from optremat.compiler.partition import partition, writable
 from optremat.compiler.torch_partitions import RIVALS, Rivals, torch_keep_sets
-from optremat.tracing.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
-from optremat.tracing.extract import depending_on
-from optremat.tracing.fingerprint import package_version
+from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.core.graph import Graph, format_bytes
-from optremat.planning.ops import ATTEMPTS, kept_plan, least_plan, plan_step
 from optremat.core.order import best_order, sunk_views
-from optremat.planning.result import Plan
 from optremat.core.schedule import Schedule, kept_for_backward, simulate, without_recomputing, without_unread
 from optremat.core.solution import FEASIBLE, OPTIMAL
 from optremat.planners.solve import SOLVERS
+from optremat.planning.cache import PlanCache
+from optremat.planning.ops import ATTEMPTS, kept_plan, least_plan, plan_step
+from optremat.planning.result import Plan
+from optremat.tracing.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
+from optremat.tracing.extract import depending_on
+from optremat.tracing.fingerprint import package_version
 
 INNER = ("inductor", "aot_eager")
 ORDERS = ("traced", "best")

@@ -35,9 +35,9 @@ from torch._inductor.scheduler import BaseSchedulerNode, Scheduler
 from torch._inductor.virtualized import V
 
 from optremat.compiler.joint import JointStep
-from optremat.tracing.costs import DeviceProfile, fused_cost
 from optremat.core.graph import Graph
 from optremat.core.schedule import Schedule, SimResult, kept_for_backward, read_through, simulate, without_recomputing
+from optremat.tracing.costs import DeviceProfile, fused_cost
 
 HEAVY = ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
 """Ops whose result Inductor realizes on CPU when several kernels read it (`should_realize_on_reuse`)."""

@@ -23,16 +23,16 @@ import numpy as np
 import torch
 import torch._guards
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch.partitioners import _is_primal, _is_tangent, classify_nodes
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import arg_tree_leaves
 
-from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost
-from optremat.tracing.extract import BATCH_NORMS, ExtractionError, assumed_loss, mutated_inputs, output_loss_bytes, to_graph
 from optremat.core.graph import Graph
 from optremat.runtime.ops import is_random
-
+from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost
+from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, assumed_loss, mutated_inputs, output_loss_bytes,
+                                      to_graph)
 
 LOSS = "optremat_loss"
 """The name of the Graph node that stands for the loss."""

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.fx as fx
 from ortools.sat.python import cp_model
-from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
 from torch._functorch import config as functorch_config
+from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
 from torch._functorch.partitioners import _size_of
 from torch._inductor.custom_graph_pass import CustomKnapsackSolver, CustomRuntimeEstimator
 

@@ -24,10 +24,10 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules, _is_primal, 
 from torch.utils._pytree import arg_tree_leaves
 
 from optremat.compiler.joint import JointStep
-from optremat.tracing.extract import depending_on
 from optremat.core.graph import Graph
-from optremat.runtime.ops import out_variant
 from optremat.core.schedule import Schedule
+from optremat.runtime.ops import out_variant
+from optremat.tracing.extract import depending_on
 
 
 def writable(step: JointStep, graph: Graph) -> np.ndarray:

@@ -8,12 +8,12 @@ from typing import Any, Sequence
 import torch.distributed as dist
 import torch.nn as nn
 
+from optremat.core.sharding import Parallel
+from optremat.planning.model import plan as plan_one_rank
+from optremat.planning.result import Plan
+from optremat.runtime.native import PlanMismatch
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.inputs import call_of, input_types
-from optremat.planning.result import Plan
-from optremat.planning.model import plan as plan_one_rank
-from optremat.runtime.native import PlanMismatch
-from optremat.core.sharding import Parallel
 
 _COMPARED = ("solver", "time_limit", "cost_model", "device", "workers", "seed", "deterministic", "runtime")
 """Planning options every rank must pass alike (callables such as loss_fn cannot be compared)."""

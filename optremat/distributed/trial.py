@@ -13,14 +13,13 @@ import numpy as np
 import torch.distributed as dist
 import torch.nn as nn
 
+from optremat.core.sharding import Parallel
 from optremat.distributed.agree import plan
 from optremat.distributed.local import run_local
 from optremat.distributed.wrap import held_by_rank, wrap
 from optremat.models import CrossEntropy, Example, build
 from optremat.runtime.apply import apply
 from optremat.runtime.measure import measure_peak
-from optremat.core.sharding import Parallel
-
 
 WARM_UP = 2
 """Steps before the measured one: DDP rebuilds its buckets in the second step's forward."""

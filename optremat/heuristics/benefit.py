@@ -12,8 +12,8 @@ import numpy as np
 
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.graph import Graph
-from optremat.heuristics.select import droppable
 from optremat.core.schedule import Schedule, from_kept, simulate
+from optremat.heuristics.select import droppable
 
 
 def drop_order(graph: Graph) -> np.ndarray:

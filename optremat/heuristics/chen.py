@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from optremat.core.graph import Graph
-from optremat.heuristics.select import cheapest_fitting, droppable
 from optremat.core.schedule import Schedule
+from optremat.heuristics.select import cheapest_fitting, droppable
 
 
 def cut_points(graph: Graph) -> np.ndarray:

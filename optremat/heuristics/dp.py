@@ -38,9 +38,9 @@ import numpy as np
 
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule, from_computations, keep_all, run_peak, simulate
 from optremat.heuristics.chen import cut_points
 from optremat.heuristics.select import droppable
-from optremat.core.schedule import Schedule, from_computations, keep_all, run_peak, simulate
 
 MAX_BLOCKS = 64
 MAX_SLOTS = 256

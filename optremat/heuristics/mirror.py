@@ -15,8 +15,8 @@ import math
 import numpy as np
 
 from optremat.core.graph import Graph
-from optremat.heuristics.select import cheapest_fitting, droppable
 from optremat.core.schedule import Schedule
+from optremat.heuristics.select import cheapest_fitting, droppable
 
 
 def _saved(graph: Graph) -> np.ndarray:

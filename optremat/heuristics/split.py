@@ -20,7 +20,6 @@ from optremat.core.budget import InfeasibleBudget
 from optremat.core.graph import Graph
 from optremat.core.schedule import Schedule, from_computations, simulate
 
-
 MAX_STEPS = 40
 """Steps after which splitting gives up: plans that fit take fewer than 20 on the published
 graphs, while chains can creep down a split at a time for hundreds."""

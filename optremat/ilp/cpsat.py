@@ -11,11 +11,11 @@ from ortools.sat.python import cp_model
 
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.graph import Graph
+from optremat.core.schedule import Schedule, simulate
+from optremat.core.solution import FEASIBLE, OPTIMAL, Progress, Solution
 from optremat.ilp.bounds import solver_floor, tighten
 from optremat.ilp.interval import IntervalModel
 from optremat.ilp.search import presolve_for, search
-from optremat.core.schedule import Schedule, simulate
-from optremat.core.solution import FEASIBLE, OPTIMAL, Progress, Solution
 
 
 def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Schedule | None = None,

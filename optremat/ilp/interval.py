@@ -29,6 +29,7 @@ from ortools.sat.python import cp_model
 from optremat.core.graph import Graph
 from optremat.core.schedule import Schedule, from_computations
 
+
 def cost_scale(graph: Graph) -> float:
     """Factor that turns node costs into the integers CP-SAT needs: exact for integer
     costs, otherwise a resolution of a millionth of the costliest node."""

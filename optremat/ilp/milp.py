@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from optremat.ilp.bounds import solver_floor, tighten
 from optremat.core.budget import InfeasibleBudget
-from optremat.ilp.cpsat import infeasible
-from optremat.ilp.search import seconds_left
 from optremat.core.graph import Graph
 from optremat.core.schedule import Schedule, from_computations, from_kept, simulate
 from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Solution
+from optremat.ilp.bounds import solver_floor, tighten
+from optremat.ilp.cpsat import infeasible
+from optremat.ilp.search import seconds_left
 
 BACKENDS = ("SCIP", "CBC", "CP_SAT", "HIGHS")
 

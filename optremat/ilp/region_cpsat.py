@@ -19,10 +19,10 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from optremat.core.graph import Graph
+from optremat.core.schedule import InvalidSchedule
 from optremat.ilp.region_model import Atom, Literal, RegionModel, Row
 from optremat.ilp.search import configure
 from optremat.planners.regions import Call, Priced, Region, RegionMap, price
-from optremat.core.schedule import InvalidSchedule
 
 SCALE = 1e10
 """Integer units of cost in the unplanned step's cost: each op's cost is rounded down to

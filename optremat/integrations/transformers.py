@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from optremat.planning.result import Plan
 from optremat.planning.model import plan as make_plan
+from optremat.planning.result import Plan
 from optremat.runtime.apply import Replanning, apply
 
 log = logging.getLogger("optremat")

@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from optremat.core.graph import Graph
-from optremat.heuristics.benefit import drop_order
 from optremat.core.schedule import InvalidSchedule, Schedule, SimResult, simulate
+from optremat.heuristics.benefit import drop_order
 
 Call = tuple[str, int]
 """A module call: the module's path and how many calls of it came before in the step."""

@@ -8,14 +8,15 @@ from typing import Callable
 
 import numpy as np
 
-from optremat.ilp.bounds import solver_floor
 from optremat.core.budget import InfeasibleBudget, resolve_budget
 from optremat.core.graph import Graph
-from optremat.heuristics import NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror, split_lifetimes
-from optremat.ilp.cpsat import solve_cpsat
-from optremat.ilp.milp import solve_lp_rounding, solve_milp
 from optremat.core.schedule import Schedule, keep_all, simulate
 from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
+from optremat.heuristics import (NotAChain, chain_dp, chen_greedy, chen_sqrt, dtr, greedy_benefit, mirror,
+                                 split_lifetimes)
+from optremat.ilp.bounds import solver_floor
+from optremat.ilp.cpsat import solve_cpsat
+from optremat.ilp.milp import solve_lp_rounding, solve_milp
 
 HEURISTICS: dict[str, Callable[[Graph, int], Schedule]] = {
     "chen": chen_sqrt,

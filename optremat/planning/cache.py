@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
-from optremat.planning.result import write_atomically
 from optremat.core.solution import OPTIMAL
+from optremat.planning.result import write_atomically
 
 T = TypeVar("T")
 

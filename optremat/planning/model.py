@@ -20,16 +20,16 @@ import torch
 import torch.nn as nn
 
 from optremat.core.budget import ACCEPTED, check_budget, resolve_budget
-from optremat.planning.cache import PlanCache
-from optremat.tracing.costs import model_device
-from optremat.tracing.extract import DefaultLoss, trace
-from optremat.tracing.fingerprint import model_fingerprint, package_version
 from optremat.core.graph import format_bytes
-from optremat.planning.native import region_map, solve_native
-from optremat.planning.result import Plan, loss_note
 from optremat.core.sharding import DDP, FSDP, Parallel
 from optremat.core.solution import Progress
 from optremat.planners.solve import SOLVERS
+from optremat.planning.cache import PlanCache
+from optremat.planning.native import region_map, solve_native
+from optremat.planning.result import Plan, loss_note
+from optremat.tracing.costs import model_device
+from optremat.tracing.extract import DefaultLoss, trace
+from optremat.tracing.fingerprint import model_fingerprint, package_version
 
 
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,

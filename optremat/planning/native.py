@@ -18,18 +18,17 @@ import torch.nn as nn
 
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.coarsen import coarsen
-from optremat.tracing.costs import device_profile, model_device
-from optremat.tracing.extract import DefaultLoss, Traced, trace
-from optremat.tracing.fingerprint import model_fingerprint
-from optremat.ilp.bounds import solver_floor
-from optremat.ilp.region_cpsat import least_peak, solve_regions
-from optremat.planning.result import Plan, loss_note
-from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.core.schedule import keep_all, kept_for_backward, simulate
 from optremat.core.sharding import FSDP, Parallel, per_rank, unit_of
 from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
+from optremat.ilp.bounds import solver_floor
+from optremat.ilp.region_cpsat import least_peak, solve_regions
+from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.planners.solve import solve
-
+from optremat.planning.result import Plan, loss_note
+from optremat.tracing.costs import device_profile, model_device
+from optremat.tracing.extract import DefaultLoss, Traced, trace
+from optremat.tracing.fingerprint import model_fingerprint
 
 ROUNDING = 1e-6
 """Overhead by which a plan may exceed its bound and still be proven optimal: the exact

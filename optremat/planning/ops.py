@@ -15,10 +15,10 @@ import numpy as np
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.coarsen import Coarsened, coarsen
 from optremat.core.graph import Graph
-from optremat.planning.result import Plan
 from optremat.core.schedule import Schedule, SimResult, from_computations, from_kept, keep_all, simulate
 from optremat.core.solution import HEURISTIC, Progress, Solution
 from optremat.planners.solve import best_heuristic, solve
+from optremat.planning.result import Plan
 
 ATTEMPTS = 4
 """Solves tried per plan, each with the budget moved by the last plan's excess or slack."""

@@ -15,10 +15,10 @@ from typing import Any, Callable
 import numpy as np
 
 from optremat.core.graph import Graph, format_bytes
-from optremat.ilp.layout import ALIGNMENT, layout
-from optremat.planners.regions import Region
 from optremat.core.schedule import Schedule
 from optremat.core.sharding import DDP, FSDP, Parallel
+from optremat.ilp.layout import ALIGNMENT, layout
+from optremat.planners.regions import Region
 
 FORMAT_VERSION = 5
 READS = (5,)

@@ -16,12 +16,12 @@ import torch.nn as nn
 from optremat.core.budget import check_budget
 from optremat.distributed.agree import PlanningFailed
 from optremat.distributed.agree import plan as plan_every_rank
-from optremat.tracing.inputs import Inputs, input_types
-from optremat.planning.result import Plan
-from optremat.planning.model import plan as make_plan
 from optremat.planners.regions import Region
-from optremat.runtime import native
 from optremat.planners.solve import SOLVERS
+from optremat.planning.model import plan as make_plan
+from optremat.planning.result import Plan
+from optremat.runtime import native
+from optremat.tracing.inputs import Inputs, input_types
 
 log = logging.getLogger("optremat")
 

@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from optremat.planners.regions import Region, parse_span
+from optremat.planning.native import runs_its_children
 from optremat.tracing.extract import tracing
 from optremat.tracing.fingerprint import model_fingerprint
-from optremat.planning.native import runs_its_children
-from optremat.planners.regions import Region, parse_span
 
 _RUNTIME = "_optremat_runtime"
 _REGION = "_optremat_region"

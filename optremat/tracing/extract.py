@@ -25,10 +25,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from optremat.tracing.costs import COST_MODELS, DeviceProfile, device_profile, profile_costs, roofline_cost, workspace_bytes
 from optremat.core.graph import Graph
-from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.core.schedule import keep_all, simulate
+from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, profile_costs, roofline_cost,
+                                    workspace_bytes)
+from optremat.tracing.inputs import Call, call_of, own_loss
 
 
 class ExtractionError(RuntimeError):
