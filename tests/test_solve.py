@@ -80,6 +80,24 @@ def test_infeasible_budget_names_the_smallest_feasible_one():
     assert simulate(g, fitting.schedule).peak_bytes <= error.value.smallest
 
 
+def test_a_budget_no_plan_fits_is_reported_so_when_the_least_peak_search_finds_nothing(monkeypatch):
+    """Proving a budget infeasible and then finding no least-peak plan in the time left
+    (a loaded machine) still raises InfeasibleBudget, naming an unproven smallest budget
+    that a plan does reach, not a TimeoutError."""
+    from optremat.ilp import cpsat
+
+    def no_plan_in_time(*args, **kwargs):
+        raise TimeoutError("cpsat found no plan within 20 s (UNKNOWN)")
+
+    monkeypatch.setattr(cpsat, "min_peak_cpsat", no_plan_in_time)
+    g = chain()
+    with pytest.raises(InfeasibleBudget) as error:
+        solve(g, 0.1, solver="cpsat", time_limit=20, workers=1, deterministic=True)
+    assert not error.value.proven and error.value.smallest > resolve_budget(g, 0.1)
+    fitting = solve(g, error.value.smallest, solver="cpsat", time_limit=20, workers=1, deterministic=True)
+    assert simulate(g, fitting.schedule).peak_bytes <= error.value.smallest
+
+
 def test_budgets_in_every_accepted_form():
     g = chain()
     peak = simulate(g, keep_all(g)).peak_bytes

@@ -11,7 +11,7 @@ from ortools.sat.python import cp_model
 
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.graph import Graph
-from optremat.core.schedule import Schedule, simulate
+from optremat.core.schedule import Schedule, keep_all, recompute_all, simulate
 from optremat.core.solution import FEASIBLE, OPTIMAL, Progress, Solution
 from optremat.ilp.bounds import solver_floor, tighten
 from optremat.ilp.interval import IntervalModel
@@ -52,7 +52,8 @@ def solve_cpsat(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sc
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"cpsat rejected the model: {model.model.validate()}")
     if status == cp_model.INFEASIBLE:
-        raise infeasible(graph, budget, "cpsat", time_limit, copies=copies, share=share)
+        raise infeasible(graph, budget, "cpsat", time_limit, copies=copies, share=share, workers=workers, seed=seed,
+                         deterministic=deterministic)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise TimeoutError(f"cpsat found no plan within {time_limit:g} s and proved none impossible "
                            f"({solver.status_name(status)}); allow more time or a larger budget")
@@ -92,11 +93,19 @@ def min_peak_cpsat(graph: Graph, *, max_overhead: float | None = None, time_limi
 
 
 def infeasible(graph: Graph, budget: int, planner: str, time_limit: float, copies: int = 2,
-               share: bool = False) -> InfeasibleBudget:
+               share: bool = False, *, workers: int = 0, seed: int = 0,
+               deterministic: bool = False) -> InfeasibleBudget:
     """The error for a budget below what any plan reaches, naming the smallest feasible
-    budget the peak-minimising model finds (proven when it solves to optimality)."""
-    smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies, share=share)
+    budget the peak-minimising model finds (proven when it solves to optimality). When
+    that search finds no plan in `time_limit`, the error names the least peak of keeping
+    everything and recomputing everything, unproven: a budget no plan fits is always
+    reported as such, never as a timeout."""
+    scope = f" (plans computing each node at most {copies} times)"
+    try:
+        smallest = min_peak_cpsat(graph, time_limit=time_limit, copies=copies, share=share, workers=workers,
+                                  seed=seed, deterministic=deterministic)
+    except TimeoutError:
+        peak = min(simulate(graph, schedule).peak_bytes for schedule in (keep_all(graph), recompute_all(graph)))
+        return InfeasibleBudget(budget, peak, planner, proven=False, scope=scope)
     peak = simulate(graph, smallest.schedule, share=frozenset(smallest.shared)).peak_bytes
-    return InfeasibleBudget(budget, peak, planner,
-                            proven=smallest.status == OPTIMAL,
-                            scope=f" (plans computing each node at most {copies} times)")
+    return InfeasibleBudget(budget, peak, planner, proven=smallest.status == OPTIMAL, scope=scope)

@@ -111,7 +111,7 @@ def solve_milp(graph: Graph, budget: int, *, time_limit: float = 30.0, hint: Sch
         solver.SetHint(list(model.R.values()), [float(key in computed) for key in model.R])
     status = solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
-        raise infeasible(graph, budget, "ilp", time_limit, share=share)
+        raise infeasible(graph, budget, "ilp", time_limit, share=share, workers=workers)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise TimeoutError(f"ilp ({backend}) found no plan within {time_limit:g} s; allow more time or a larger budget")
     schedule = from_computations(graph, [(i, t) for (t, i), r in model.R.items() if t != i and r.solution_value() > 0.5])
