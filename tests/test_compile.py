@@ -46,7 +46,9 @@ def fresh_dynamo() -> None:
 
 
 def step(model: torch.nn.Module, inputs: tuple, loss_fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    loss = loss_fn(model(*inputs))
+    """One step as a training loop runs it, holding the model's output through the backward."""
+    out = model(*inputs)
+    loss = loss_fn(out)
     return loss.detach(), [g.detach() for g in torch.autograd.grad(loss, list(model.parameters()))]
 
 
@@ -67,7 +69,8 @@ def assert_same_step(expected: tuple, got: tuple) -> None:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("name", "batch", "solver"), [("gpt-tiny", 32, "dtr"), ("resnet-tiny", 8, "greedy")])
+@pytest.mark.parametrize(("name", "batch", "solver"), [("gpt-tiny", 32, "dtr"),
+                                                   pytest.param("resnet-tiny", 8, "greedy", marks=pytest.mark.slow)])
 def test_compiled_step_fits_each_budget_with_eager_gradients(name: str, batch: int, solver: str) -> None:
     example = build(name, batch=batch)
     model, inputs, loss_fn = example.model, example.inputs, example.loss_fn
@@ -221,6 +224,7 @@ def test_predicted_peak_is_the_measured_one_when_nothing_fuses() -> None:
     assert_same_step(step(model, inputs, loss_fn), step(compiled, inputs, loss_fn))
 
 
+@pytest.mark.slow
 def test_shared_computations_write_over_their_dying_inputs_in_the_backward() -> None:
     """A computation the plan shares runs as its op's out= overload on the input it is
     the last to read, in the forward or the backward, and the step stays eager's."""
@@ -295,7 +299,7 @@ def test_shares_the_solver_chooses_run_in_the_compiled_graphs_at_the_simulated_p
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
 
 
-@pytest.mark.parametrize("fraction", [0.9, 0.7])
+@pytest.mark.parametrize("fraction", [pytest.param(0.9, marks=pytest.mark.slow), 0.7])
 def test_inductor_runs_a_plan_within_its_budget_and_predicted_peak(fraction: float) -> None:
     """Under Inductor, which computes pointwise ops inside the kernels reading them, a plan
     priced with that inlining peaks at most at its prediction, which fits the budget. At
@@ -320,7 +324,7 @@ def test_inductor_runs_a_plan_within_its_budget_and_predicted_peak(fraction: flo
     assert V.choices is others
 
 
-@pytest.mark.parametrize("cost_model", ["roofline", "profile"])
+@pytest.mark.parametrize("cost_model", ["roofline", pytest.param("profile", marks=pytest.mark.slow)])
 def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak(cost_model: str) -> None:
     """With solver "auto", PyTorch's own min-cut partitions of the graph compete, priced as
     optremat's partitioner runs them: given the measured peak of PyTorch's partition at
@@ -363,7 +367,7 @@ def test_inductor_plans_leave_a_resnets_float64_gradients_as_eager() -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("name", ["resnet-tiny", "resnet-mini"])
+@pytest.mark.parametrize("name", ["resnet-tiny", pytest.param("resnet-mini", marks=pytest.mark.slow)])
 def test_inductor_plans_leave_a_resnets_float32_gradients_as_inductors_own(name: str) -> None:
     """A planned ResNet step under Inductor has the loss and gradients of PyTorch's own
     Inductor compile to 1e-5 in float32: the plan, recomputing convolutions and batch norms
@@ -394,6 +398,7 @@ def test_a_failing_pytorch_partitioner_leaves_the_plan_to_optremat(monkeypatch: 
     assert backend.plans[0].compared == ()
 
 
+@pytest.mark.slow
 def test_a_plan_found_at_one_budget_competes_at_the_others() -> None:
     """A graph compiled again at a larger budget, or at the peak of a plan found before,
     never gets a dearer plan than the one found at the smaller budget, which competes

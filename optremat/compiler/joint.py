@@ -8,9 +8,10 @@ an output node listing the forward outputs, then the gradients. That is the grap
 what differs is how forward and backward are told apart: a node is forward when the
 forward outputs need it (PyTorch's own `classify_nodes`), everything else runs in the
 backward. Between the two runs the loss, in eager autograd: it becomes a node of the
-Graph (see `JointStep`), so the outputs handed to the user live until it has read them,
-not to the end of the step (a training loop drops the model's output once it has the
-loss), and the outputs' gradients exist from then on, not from the start.
+Graph (see `JointStep`): the outputs handed to the user live to the end of the step, as
+a training loop holding `out = model(x)` through `loss.backward()` holds them (the native
+plans price them so too), and the outputs' gradients exist from the loss on, not from the
+start.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
     descs = output.meta.get("desc") or [None] * len(results)
     handed = [n for n, d in zip(results[:num_fwd_outputs], descs) if isinstance(n, torch.fx.Node)
               and not isinstance(d, InputMutationAOTOutput)]
-    kept = [n for n in results if isinstance(n, torch.fx.Node) and (not tangents or n not in handed)]
+    kept = [n for n in results if isinstance(n, torch.fx.Node)]
     costs = (timed_costs(joint, placeholders) if cost_model == "profile"
              else {n.name: roofline_cost(n, profile) for n in others})
     backward = set(tangents) | (set(others) - forward)

@@ -172,22 +172,11 @@ def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
                       device: str | DeviceProfile = "cpu") -> int:
     """The bytes a loss computed by eager autograd on a model output like `out` (tensors,
     real or fake, whose `requires_grad` says which take a gradient) holds at its peak
-    beyond the output: the output counts only while the loss reads it (a cross-entropy
-    keeps its log-softmax, not its input), as when the caller drops the model's output
-    once it has the loss, and the output's gradient counts as the loss's own."""
-    traced = trace(_Output(out), (), loss_fn, device=device)
-    graph = traced.graph
-    schedule = keep_all(graph)
-    curve = simulate(graph, schedule).curve.astype(np.int64)
-    root = graph.storage_root
-    position = np.empty(graph.n, dtype=np.int64)
-    position[schedule.node] = np.arange(len(schedule.node))
-    src, dst = graph.edges[:, 0], graph.edges[:, 1]
-    for r in np.unique(root[graph.pinned]).tolist():
-        last_read = position[dst[~graph.pinned[dst] & (root[src] == r)]].max(initial=-1)
-        curve[last_read + 1:] -= int(graph.unit_size[r])
-    held = np.unique(root[graph.pinned])
-    return max(int(curve.max()) - int(graph.unit_size[held].sum()), 0)
+    beyond the output, which the caller holds through the backward (`out = model(x)`);
+    the output's gradient counts as the loss's own."""
+    graph = trace(_Output(out), (), loss_fn, device=device).graph
+    held = np.unique(graph.storage_root[graph.pinned])
+    return max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0)
 
 
 def assumed_loss(out: Any) -> torch.Tensor:
@@ -198,9 +187,9 @@ def assumed_loss(out: Any) -> torch.Tensor:
     `cross_entropy(logits[:, :-1].reshape(-1, V).float(), ids[:, 1:].reshape(-1))`: shifted
     one position along dim -2 and flattened (a copy), in float32 (another copy of
     lower-precision logits); a 2-D one as a classifier's. It holds those copies, a
-    log-softmax and two gradients of their size. The model's output counts until the
-    loss has read it, as when the caller does not hold it through the backward. Only
-    the price depends on it: any loss trains under the plan."""
+    log-softmax and two gradients of their size; the model's output itself is priced as
+    held through the backward. Only the price depends on it: any loss trains under the
+    plan."""
     leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not leaves:
         raise ExtractionError("the model's output has no tensor that requires grad; pass loss_fn or check the model")
