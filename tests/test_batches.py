@@ -124,7 +124,7 @@ def moe(kind: str, dtype: torch.dtype) -> nn.Module:
 
 
 @pytest.mark.parametrize("kind,dtype", [
-    ("mixtral", torch.float32), ("qwen2-moe", torch.bfloat16),
+    ("mixtral", torch.float32), pytest.param("qwen2-moe", torch.bfloat16, marks=pytest.mark.slow),
     pytest.param("mixtral", torch.bfloat16, marks=pytest.mark.slow),
     pytest.param("qwen2-moe", torch.float32, marks=pytest.mark.slow)])
 def test_mixture_of_experts_models_plan_in_any_float_dtype_with_exact_gradients(kind: str, dtype: torch.dtype) -> None:
