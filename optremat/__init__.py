@@ -22,7 +22,7 @@ from optremat.planners.solve import SOLVERS, solve
 
 _ON_FIRST_USE = {
     "ExtractionError": "optremat.tracing.extract", "extract": "optremat.tracing.extract",
-    "Inputs": "optremat.tracing.inputs",
+    "Inputs": "optremat.tracing.inputs", "CausalLMLoss": "optremat.tracing.lm_loss",
     "Plan": "optremat.planning.result", "PlanFileError": "optremat.planning.result", "plan": "optremat.planning.model",
     "price_regions": "optremat.planning.native", "reprice": "optremat.planning.native",
     "apply": "optremat.runtime.apply", "Replanning": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
@@ -47,6 +47,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CausalLMLoss",
     "DDP",
     "ExtractionError",
     "FSDP",

@@ -18,6 +18,7 @@ import torch.nn as nn
 import optremat
 from optremat.models import build
 from optremat.planning import model as planning
+from optremat.planning.result import Chunking
 from tests.dags import training_chain
 
 
@@ -54,7 +55,7 @@ def write(path: Path, data: Any) -> Path:
 
 def test_a_plan_round_trips_through_its_file_with_a_checksum(saved, tmp_path) -> None:
     found, data = saved
-    assert data["version"] == 5 and len(data["checksum"]) == 64
+    assert data["version"] == 6 and len(data["checksum"]) == 64 and data["chunking"] is None
     assert resigned(data)["checksum"] == data["checksum"]
     assert any(path.endswith("]") for path, _, _ in data["regions"])
     found.save(tmp_path / "again.json")
@@ -89,6 +90,30 @@ def test_older_formats_are_refused_with_plan_again(saved, tmp_path, version) -> 
     path = write(tmp_path / "old.json", {**old, "version": version})
     with pytest.raises(optremat.PlanFileError, match=f"plan format version {version} is not supported.*plan again"):
         optremat.Plan.load(path)
+
+
+def test_a_version_5_file_reads_as_a_plan_without_chunking(saved, tmp_path) -> None:
+    """Version 6 added `chunking`; a file of version 5 lacks the key and still loads."""
+    found, data = saved
+    old = {k: v for k, v in data.items() if k not in ("checksum", "chunking")}
+    loaded = optremat.Plan.load(write(tmp_path / "v5.json", resigned({**old, "version": 5})))
+    assert loaded.chunking is None and loaded.regions == found.regions
+    with pytest.raises(optremat.PlanFileError, match=r"unexpected keys \['chunking'\]"):
+        optremat.Plan.load(write(tmp_path / "v5.json", resigned({**data, "version": 5})))
+
+
+CHUNKING = {"head": "tok.weight", "chunks": 8, "unplanned_peak_bytes": 1000, "tried": [None, 2, 8]}
+
+
+def test_a_files_chunking_is_read_back_and_checked(saved, tmp_path) -> None:
+    _, data = saved
+    loaded = optremat.Plan.load(write(tmp_path / "chunked.json", resigned({**data, "chunking": CHUNKING})))
+    assert loaded.chunking == Chunking("tok.weight", 8, 1000, (None, 2, 8))
+    assert loaded.to_json()["chunking"] == CHUNKING and "in 8 token chunks" in loaded.summary()
+    for bad, message in (({**CHUNKING, "chunks": 0}, "chunking 'chunks' must be"),
+                         ({"head": "tok.weight"}, "chunking must have the keys")):
+        with pytest.raises(optremat.PlanFileError, match=message):
+            optremat.Plan.load(write(tmp_path / "bad.json", resigned({**data, "chunking": bad})))
 
 
 def test_a_file_that_is_not_json_or_not_an_object_is_refused(tmp_path) -> None:

@@ -25,11 +25,13 @@ from optremat.core.sharding import DDP, FSDP, Parallel
 from optremat.core.solution import Progress
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
+from optremat.planning.chunking import choices, head_name, solve_chunked
 from optremat.planning.native import region_map, solve_native
 from optremat.planning.result import Plan, loss_note
 from optremat.tracing.costs import model_device
 from optremat.tracing.extract import DefaultLoss, trace
 from optremat.tracing.fingerprint import model_fingerprint, package_version
+from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
 
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
@@ -52,7 +54,11 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     cross-entropy over the output's last dimension (`extract.assumed_loss`); `summary()`
     says which. `solver` "auto" leaves the plan to
     the exact search over module regions; another of `optremat.SOLVERS` also plans on
-    the coarsened graph, its keep set lowered to regions as one more seed. `progress`,
+    the coarsened graph, its keep set lowered to regions as one more seed. A
+    `loss_fn` that is an `optremat.CausalLMLoss` over the model's own head with
+    `chunks="auto"` has its head run whole or in token chunks as the plan chooses
+    (`optremat.planning.chunking`; `time_limit` shared among the counts priced), and a
+    budget fraction is of the unplanned step with the whole head. `progress`,
     if given, is called as the search goes: (seconds, overhead, proven lower bound on
     the overhead).
     `cache`, a directory, keeps plans across runs: a second call for the same model,
@@ -69,8 +75,15 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     started = time.perf_counter()
     device_name = device or model_device(model)
     default = DefaultLoss()
-    traced = trace(model, example_inputs, loss_fn or default, cost_model=cost_model, device=device_name)
-    rmap = region_map(traced, model, device_name, parallel)
+    lm = loss_fn if isinstance(loss_fn, CausalLMLoss) else None
+    head = None if lm is None else head_name(model, lm)
+    chunked = lm is not None and lm.chunks == AUTO
+
+    def traced_map(step_loss: Callable[[Any], torch.Tensor]) -> Any:
+        traced = trace(model, example_inputs, step_loss, cost_model=cost_model, device=device_name)
+        return traced, region_map(traced, model, device_name, parallel)
+
+    traced, rmap = traced_map(lm.with_chunks(None) if chunked else loss_fn or default)
     graph = rmap.graph
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
@@ -78,13 +91,18 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         raise ValueError(f"budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} of parameters, "
                          f"inputs and gradients that every step holds; {ACCEPTED}, at least that")
 
+    def solve(region_plans: Any, limit: float) -> Plan:
+        return solve_native(region_plans, budget_bytes, solver=solver, time_limit=limit, workers=workers, seed=seed,
+                            deterministic=deterministic, started=started,
+                            progress=None if progress is None else _relative(progress, graph.total_cost))
+
     def solved() -> Plan:
-        found = solve_native(rmap, budget_bytes, solver=solver, time_limit=time_limit, workers=workers, seed=seed,
-                             deterministic=deterministic, started=started,
-                             progress=None if progress is None else _relative(progress, graph.total_cost))
+        found = (solve(rmap, time_limit) if not chunked else
+                 solve_chunked(rmap, lambda k: traced_map(lm.with_chunks(k))[1], choices(lm), head, budget_bytes,
+                               solve, time_limit))
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
                        mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn, default.source),
-                       parallel=parallel,
+                       parallel=parallel, solve_seconds=time.perf_counter() - started,
                        cost_model=cost_model, device=str(device_name))
 
     if cache is None:
@@ -93,6 +111,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
                     seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name),
                     training=model.training, version=package_version(),
+                    lm_head=None if lm is None else {"head": head, "chunks": lm.chunks},
                     parallel=None if parallel is None else parallel.describe())
     with store.locked(key):
         hit = store.get(key, time_limit, Plan.from_json)

@@ -29,6 +29,7 @@ from optremat.planning.result import Plan, loss_note
 from optremat.tracing.costs import device_profile, model_device
 from optremat.tracing.extract import DefaultLoss, Traced, trace
 from optremat.tracing.fingerprint import model_fingerprint
+from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
 ROUNDING = 1e-6
 """Overhead by which a plan may exceed its bound and still be proven optimal: the exact
@@ -156,9 +157,12 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
 def reprice(plan: Plan, model: nn.Module, example_inputs: Sequence[Any] | Any,
             loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
     """A native plan's regions priced at other inputs' shapes: the same decisions, with
-    the peak and overhead they have there (the budget becomes that peak)."""
+    the peak and overhead they have there (the budget becomes that peak); a
+    `CausalLMLoss(chunks="auto")` runs in the plan's chunks, as it does once applied."""
     if plan.runtime != "native":
         raise ValueError(f"only native plans run at other shapes; this one is {plan.runtime!r}")
+    if plan.chunking is not None and isinstance(loss_fn, CausalLMLoss) and loss_fn.chunks == AUTO:
+        loss_fn = loss_fn.with_chunks(plan.chunking.chunks)
     priced = price_regions(model, example_inputs, plan.regions, loss_fn=loss_fn, parallel=plan.parallel,
                            cost_model=plan.cost_model, device=plan.device)
     return replace(plan, graph=priced.graph, schedule=priced.schedule, budget_bytes=priced.budget_bytes,

@@ -20,14 +20,39 @@ from optremat.core.sharding import DDP, FSDP, Parallel
 from optremat.ilp.layout import ALIGNMENT, layout
 from optremat.planners.regions import Region
 
-FORMAT_VERSION = 5
-READS = (5,)
+FORMAT_VERSION = 6
+READS = (5, 6)
 """The plan format versions this optremat reads (5 added `checksum`, which every plan
-read must carry)."""
+read must carry; 6 added `chunking`, None in a plan of version 5)."""
 RUNTIMES = ("native", "compiled")
 """What may run a plan (`Plan.runtime`)."""
 PARALLEL_KINDS = {"FSDP": FSDP, "DDP": DDP}
 """The data-parallel jobs a plan file may name, by the `kind` it saves them under."""
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a plan runs a causal LM's head and its loss (`optremat.CausalLMLoss` with
+    `chunks="auto"`): `chunks` token chunks (None: whole), chosen among `tried` (the
+    counts priced, each with the region plan best for it). `head` names the head's weight
+    as `named_parameters` does, where `optremat.apply` installs the choice.
+    `unplanned_peak_bytes` is the step's peak with these chunks and no module call
+    checkpointed (the plan's `baseline_peak_bytes` is the whole head's)."""
+
+    head: str
+    chunks: int | None
+    unplanned_peak_bytes: int
+    tried: tuple[int | None, ...]
+
+    def describe(self) -> str:
+        """One line: how the head runs, and among what it was chosen."""
+        shown = ["whole" if k is None else f"{k} chunks" for k in self.tried]
+        how = "whole" if self.chunks is None else f"in {self.chunks} token chunks"
+        return f"LM head {self.head} and its loss run {how} (chosen among {', '.join(shown)})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"head": self.head, "chunks": self.chunks, "unplanned_peak_bytes": self.unplanned_peak_bytes,
+                "tried": list(self.tried)}
 
 
 class PlanFileError(ValueError):
@@ -54,7 +79,8 @@ class Plan:
     a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
     `compared` lists the other planners' plans that competed for this one, priced the same
     way: (name, predicted peak bytes, predicted overhead) each (a compiled plan's rivals
-    are PyTorch's own partitions of the graph).
+    are PyTorch's own partitions of the graph). `chunking` says how the LM head and its
+    loss run when the plan chose it (`optremat.CausalLMLoss(..., chunks="auto")`).
     """
 
     graph: Graph
@@ -77,6 +103,7 @@ class Plan:
     loss: str = ""
     parallel: Parallel | None = None
     compared: tuple[tuple[str, int, float], ...] = ()
+    chunking: Chunking | None = None
     cost_model: str = "roofline"
     device: str = "cpu"
     cached: bool = field(default=False, compare=False)
@@ -129,11 +156,19 @@ class Plan:
             f"forward ops: {counts['keep']} kept, {counts['recompute']} recomputed, {counts['share']} shared, "
             f"{counts['free']} freed early; {how}",
             f"loss: {self.loss}",
+            *([self._chunked()] if self.chunking else []),
             *([self._rivals()] if self.compared else []),
             *([f"per rank: {self.parallel.describe()}"] if self.parallel else []),
             f"memory layout: an arena of {format_bytes(arena.arena_bytes)} (greedy by size, {arena.fragmentation:+.1%} "
             f"over the {format_bytes(arena.live_bytes)} live at most, allocations aligned to {ALIGNMENT} bytes)",
         ])
+
+    def _chunked(self) -> str:
+        """The LM head's chunking and the bytes it saves the unplanned step."""
+        chunking = self.chunking
+        saved = self.baseline_peak_bytes - chunking.unplanned_peak_bytes
+        return (f"{chunking.describe()}: unplanned peak {format_bytes(chunking.unplanned_peak_bytes)}, "
+                f"{format_bytes(saved)} below the whole head's")
 
     def _rivals(self) -> str:
         """The cheapest of the plans `compared` that fits the budget, or the least-peak one."""
@@ -164,6 +199,8 @@ class Plan:
             where = graph.module[i] or "(top level)"
             lines.append(f"{decisions[name]:9s} {format_bytes(int(graph.size[i])):>11s}  {graph.ops[i]:32s} "
                          f"{where}: {reasons[decisions[name]]}")
+        if self.chunking:
+            lines.append(f"chunked   {self._chunked()}: the step never holds the whole logits")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -192,6 +229,7 @@ class Plan:
             "device": self.device,
             "shared": [list(pair) for pair in self.shared],
             "compared": [list(c) for c in self.compared],
+            "chunking": None if self.chunking is None else self.chunking.to_json(),
             "parallel": None if self.parallel is None else {
                 "kind": type(self.parallel).__name__,
                 **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.parallel).items()}},
@@ -210,6 +248,7 @@ class Plan:
                    shared=tuple((k, p) for k, p in data["shared"]),
                    mutated_buffers=tuple(data["mutated_buffers"]), parallel=_parallel_of(data["parallel"]),
                    compared=tuple((n, p, float(o)) for n, p, o in data["compared"]),
+                   chunking=_chunking_of(data.get("chunking")),
                    **{k: data[k] for k in _SCALARS})
 
     def save(self, path: str | Path) -> None:
@@ -318,8 +357,12 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "shared": (_list_of(_row(_is_count, _is_count)), "a list of [event, input] pairs"),
     "compared": (_list_of(_row(_is_text, _is_count, _is_number)), "a list of [planner, peak bytes, overhead]"),
     "parallel": (lambda v: v is None or isinstance(v, dict), "null or an object"),
+    "chunking": (lambda v: v is None or isinstance(v, dict), "null or an object"),
 }
 """Every key of a plan file, what its value must be and how to say so."""
+
+_ADDED = {6: ("chunking",)}
+"""The keys each format version added, which files of earlier versions lack."""
 
 _MALFORMED = "plan again to write a valid one"
 
@@ -348,14 +391,16 @@ def _check_header(data: Any) -> None:
 def _check_fields(data: dict[str, Any]) -> None:
     """Refuse a plan with keys missing or unexpected, a value of the wrong type, or a
     region path whose span cannot be read."""
-    missing, unexpected = _FIELDS.keys() - data.keys(), data.keys() - _FIELDS.keys()
+    expected = _FIELDS.keys() - {key for version, keys in _ADDED.items() if data["version"] < version for key in keys}
+    missing, unexpected = expected - data.keys(), data.keys() - expected
     if missing:
         raise PlanFileError(f"the plan lacks the keys {sorted(missing)}; {_MALFORMED}")
     if unexpected:
         raise PlanFileError(f"the plan holds unexpected keys {sorted(unexpected)}; {_MALFORMED}")
-    for key, (valid, expected) in _FIELDS.items():
+    for key in expected:
+        valid, shown = _FIELDS[key]
         if not valid(data[key]):
-            raise PlanFileError(f"the plan's {key!r} must be {expected}, not {_json_kind(data[key])}; {_MALFORMED}")
+            raise PlanFileError(f"the plan's {key!r} must be {shown}, not {_json_kind(data[key])}; {_MALFORMED}")
     for path, _, _ in data["regions"]:
         if not _is_region_path(path):
             raise PlanFileError(f"region path {path!r} has a bad span: a run of a Sequential's children is written "
@@ -414,6 +459,29 @@ def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
             raise PlanFileError(f"the plan's parallel {name!r} must be {expected}, not {_json_kind(value)}; "
                                 f"{_MALFORMED}")
     return PARALLEL_KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+
+
+_CHUNKING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "head": (_is_text, "text"),
+    "chunks": (lambda v: v is None or _is_bytes(v), "null or a whole number >= 1"),
+    "unplanned_peak_bytes": (_is_bytes, "a whole number of bytes > 0"),
+    "tried": (_list_of(lambda v: v is None or _is_bytes(v)), "a list of chunk counts (null: whole)"),
+}
+"""Every key of a plan file's `chunking`, what its value must be and how to say so."""
+
+
+def _chunking_of(data: dict[str, Any] | None) -> Chunking | None:
+    """The LM head chunking a plan file records, checked field by field."""
+    if data is None:
+        return None
+    if data.keys() != _CHUNKING_FIELDS.keys():
+        raise PlanFileError(f"the plan's chunking must have the keys {sorted(_CHUNKING_FIELDS)}, not {sorted(data)}; "
+                            f"{_MALFORMED}")
+    for key, (valid, shown) in _CHUNKING_FIELDS.items():
+        if not valid(data[key]):
+            raise PlanFileError(f"the plan's chunking {key!r} must be {shown}, not {_json_kind(data[key])}; "
+                                f"{_MALFORMED}")
+    return Chunking(data["head"], data["chunks"], data["unplanned_peak_bytes"], tuple(data["tried"]))
 
 
 def loss_note(loss_fn: Callable | None, source: str = "assumed") -> str:

@@ -21,7 +21,9 @@ from optremat.planners.solve import SOLVERS
 from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime import native
+from optremat.tracing import lm_loss
 from optremat.tracing.inputs import Inputs, input_types
+from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
 log = logging.getLogger("optremat")
 
@@ -36,7 +38,8 @@ class Replanning:
     no plan fits runs the plan applied, with a warning naming the smallest budget. A plan
     for a data-parallel job, inside a process group, is made for every rank as
     `optremat.distributed.plan` makes it (ranks agree, rank 0 plans): every rank must then
-    meet each new input shape at the same step.
+    meet each new input shape at the same step. The LM head keeps the applied plan's
+    chunks (`Plan.chunking`): each shape's regions are planned for them.
     `plans` holds the plan made for each shape, by its inputs' tensor types."""
 
     budget: int | float | str | None = None
@@ -67,7 +70,10 @@ class Replanning:
 
     def _plan(self, model: nn.Module, args: Inputs, applied: Plan, key: tuple[str, ...]) -> Plan:
         budget = applied.budget_bytes if self.budget is None else self.budget
-        options = dict(loss_fn=self.loss_fn, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
+        loss_fn = self.loss_fn
+        if applied.chunking is not None and isinstance(loss_fn, CausalLMLoss) and loss_fn.chunks == AUTO:
+            loss_fn = loss_fn.with_chunks(applied.chunking.chunks)  # the head runs as the applied plan says
+        options = dict(loss_fn=loss_fn, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
                        cost_model=applied.cost_model, device=applied.device)
         try:
             if _in_a_group(applied):
@@ -86,21 +92,41 @@ class Replanning:
 def apply(model: nn.Module, plan: Plan, *, replan: Replanning | None = None) -> nn.Module:
     """`model` with `plan` installed on it, returned: same call signature, parameters
     and gradients. Its checkpointed module calls run under checkpoint; everything else
-    is untouched; `remove(model)` takes the plan off again. The plan's decisions hold at
-    any input shape; with `replan`, each new shape gets a plan of its own instead."""
+    is untouched; where the plan chose how to run a causal LM's head (`Plan.chunking`),
+    every `CausalLMLoss(chunks="auto")` over that head runs so. `remove(model)` takes the
+    plan off again. The plan's decisions hold at any input shape; with `replan`, each new
+    shape gets region plans of its own instead (the head keeps the applied plan's chunks)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"apply needs an optremat Plan, not {type(plan).__name__}")
     if plan.runtime != "native":
         raise ValueError(f"this plan is for the {plan.runtime!r} runtime, not a model's own modules: op-by-op plans "
                          "run inside torch.compile; compile the model with optremat.compile_backend instead")
-    return native.install(model, plan.regions, training=plan.training, fingerprint=plan.model_fingerprint,
-                          mutated_buffers=plan.mutated_buffers,
-                          choose=None if replan is None else replan.chooser(model, plan))
+    head = _head(model, plan)
+    installed = native.install(model, plan.regions, training=plan.training, fingerprint=plan.model_fingerprint,
+                               mutated_buffers=plan.mutated_buffers,
+                               choose=None if replan is None else replan.chooser(model, plan))
+    lm_loss.uninstall(list(model.parameters()))
+    if head is not None:
+        lm_loss.install(head, plan.chunking.chunks)
+    return installed
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Take an installed plan off `model`; returns `model`, as it was before `apply`."""
+    lm_loss.uninstall(list(model.parameters()))
     return native.remove(model)
+
+
+def _head(model: nn.Module, plan: Plan) -> torch.Tensor | None:
+    """The LM head weight whose losses run in the plan's chunks (`Plan.chunking`), if
+    the plan chose any: a "auto" `CausalLMLoss` over it then runs as planned."""
+    if plan.chunking is None:
+        return None
+    head = dict(model.named_parameters()).get(plan.chunking.head)
+    if head is None:
+        raise native.PlanMismatch(f"the plan runs the LM head {plan.chunking.head!r} in chunks, but "
+                                  f"{type(model).__name__} has no such parameter: apply a plan made for this model")
+    return head
 
 
 def _in_a_group(plan: Plan) -> bool:

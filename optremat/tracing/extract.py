@@ -4,7 +4,10 @@ The step is traced with `make_fx` on fake tensors (no real memory is touched) as
 `torch.autograd.grad` of the loss with respect to every parameter, which records the
 backward ops autograd really runs: a backward op reads exactly the forward tensors that
 autograd saved for it. Without a loss function, the gradient of the model's output is
-an input of the step, so any loss computed outside the model is covered.
+an input of the step, so any loss computed outside the model is covered. A loss over
+the model's own parameters (an `optremat.CausalLMLoss` over its LM head) reads them as
+the traced step's, and PyTorch's chunked `linear_cross_entropy` is recorded op by op
+(`chunked.DECOMPOSITIONS`), so that its chunks' logits are priced.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
+from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, profile_costs, roofline_cost,
                                     workspace_bytes)
 from optremat.tracing.inputs import Call, call_of, own_loss
+from optremat.tracing.lm_loss import standing_in
 
 
 class ExtractionError(RuntimeError):
@@ -124,11 +129,13 @@ def trace(
     grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
 
     structure: dict[str, Any] = {}
+    identity = {name: id(p) for name, p in params.items()}
 
     def step(params: dict, buffers: dict, inputs: Call, grad_outputs: list) -> tuple:
         out, structure["reassigned"] = _call(model, params, buffers, inputs)
         if loss_fn is not None:
-            roots, root_grads = [loss_fn(out)], None
+            with standing_in({identity[name]: t for name, t in params.items()}):
+                roots, root_grads = [loss_fn(out)], None
         else:
             roots, root_grads = _grad_leaves(out), grad_outputs
         with _phase("backward"), _tag_grad_fns(roots):
@@ -140,7 +147,8 @@ def trace(
     args = (params, buffers, inputs, grad_outputs)
     with _tracing(), _grouped_mm_in_any_float(), _module_paths(model) as where, fx_traceback.preserve_node_meta():
         try:
-            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
+                         decomposition_table=DECOMPOSITIONS)(*args)
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, where())) from error
 
@@ -547,7 +555,8 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
             op_name = str(target).removeprefix("aten.")
         cols["names"].append(node.name)
         cols["ops"].append(op_name)
-        cols["cost"].append(0.0 if alias_of >= 0 or kind != "op" or node.target is operator.getitem
+        writes = _writes(node)
+        cols["cost"].append(0.0 if (alias_of >= 0 and not writes) or kind != "op" or node.target is operator.getitem
                             else costs.get(node.name, 0.0))
         cols["size"].append(int(size))
         cols["backward"].append(bool(is_backward(node)))
@@ -563,6 +572,13 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
             output[index[node]] = True
     _backward_paths(cols, edges)
     return Graph.build(edges=edges, output=output, **cols)
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether `node` writes into a tensor it is given (an in-place op or one with `out=`):
+    it shares that tensor's storage, but costs what computing its result costs."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _root(alias_of: list[int], i: int) -> int:

@@ -1,0 +1,86 @@
+"""The LM head's chunking chosen with the region plan: a causal LM's head and loss
+(`CausalLMLoss(chunks="auto")`) run whole or in k token chunks, each count traced and
+its region plan solved exactly, the cheapest that fits the budget kept.
+
+Every count in `CHOICES` is priced, so where each region search is proven the chosen
+plan is optimal over counts and regions together; its overhead and bound are of the
+unplanned step with the whole head, as its budget fraction is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch.nn as nn
+
+from optremat.core.budget import InfeasibleBudget
+from optremat.core.schedule import keep_all, simulate
+from optremat.core.solution import FEASIBLE, OPTIMAL
+from optremat.planners.regions import RegionMap
+from optremat.planning.native import ROUNDING
+from optremat.planning.result import Chunking, Plan
+from optremat.tracing.lm_loss import CausalLMLoss
+
+CHOICES = (None, 2, 4, 8, 16, 32)
+"""The chunk counts priced (None: whole), those above the number of tokens left out."""
+
+
+def head_name(model: nn.Module, loss_fn: CausalLMLoss) -> str:
+    """The name `named_parameters` gives the head's weight; a ValueError if the head is
+    not the model's, as its gradient would then not be planned."""
+    weight = loss_fn.weights(substituted=False)[0]
+    name = next((name for name, p in model.named_parameters() if p is weight), None)
+    if name is None:
+        raise ValueError(f"CausalLMLoss's head is not a parameter of {type(model).__name__}: pass the model's own "
+                         "head (its nn.Linear, the embedding it is tied to, or that weight) so that its gradient is "
+                         "planned with the step")
+    return name
+
+
+def choices(loss_fn: CausalLMLoss) -> tuple[int | None, ...]:
+    """The chunk counts priced for `loss_fn`'s tokens."""
+    return tuple(k for k in CHOICES if k is None or k <= loss_fn.tokens())
+
+
+def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: Sequence[int | None], head: str,
+                  budget_bytes: int, solve: Callable[[RegionMap, float], Plan], time_limit: float) -> Plan:
+    """The cheapest plan that fits over every count in `tried`: `whole` is the step with
+    the whole head, `map_for(k)` the one in k chunks, `solve(rmap, time_limit)` the
+    exact region plan for one (each gets an equal share of `time_limit`). Ties go to
+    fewer chunks. OPTIMAL when the plan meets the least bound of all counts (a count no
+    plan fits counts only when its search proved it). InfeasibleBudget when no count
+    fits, naming the least peak found over all."""
+    total = whole.graph.total_cost
+    share = time_limit / len(tried)
+    found: list[tuple[int | None, Plan, float, float | None]] = []
+    refusals: list[InfeasibleBudget] = []
+    for k in tried:
+        rmap = whole if k is None else map_for(k)
+        scale = rmap.graph.total_cost / total
+        try:
+            plan = solve(rmap, share)
+        except InfeasibleBudget as error:
+            refusals.append(error)
+            if not error.proven:
+                found.append((k, None, float("inf"), scale - 1))  # not proven impossible: bound by the step's cost
+            continue
+        bound = None if plan.lower_bound is None else (1 + plan.lower_bound) * scale - 1
+        found.append((k, plan, (1 + plan.predicted_overhead) * scale - 1, bound))
+    fitting = [f for f in found if f[1] is not None]
+    if not fitting:
+        smallest = min(refusals, key=lambda e: e.smallest)
+        raise InfeasibleBudget(budget_bytes, smallest.smallest, f"{refusals[0].planner} with the LM head chunked",
+                               proven=all(e.proven for e in refusals),
+                               scope=" for plans of module regions and LM head chunks")
+    least = min(f[2] for f in fitting)
+    k, plan, overhead, _ = next(f for f in fitting if f[2] <= least + ROUNDING)  # `tried` lists fewer chunks first
+    bounds = [b for _, _, _, b in found]
+    bound = None if any(b is None for b in bounds) else min(bounds)
+    scale = plan.graph.total_cost / total
+    return replace(plan, baseline_peak_bytes=simulate(whole.graph, keep_all(whole.graph)).peak_bytes,
+                   predicted_overhead=overhead, lower_bound=bound,
+                   status=OPTIMAL if bound is not None and overhead <= bound + ROUNDING else FEASIBLE,
+                   solver_overhead=(1 + plan.solver_overhead) * scale - 1,
+                   chunking=Chunking(head, k, simulate(plan.graph, keep_all(plan.graph)).peak_bytes, tuple(tried)))
+

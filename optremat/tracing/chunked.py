@@ -1,0 +1,125 @@
+"""The LM head and its cross-entropy run in token chunks, so only one chunk's logits live.
+
+Two implementations, both taking the gradients in the forward (each chunk's logits are
+made, turned into their gradient and dropped; the backward only scales the gradients by
+the loss's own), so neither recomputes a logit:
+
+- PyTorch's `F.linear_cross_entropy` with `LinearCrossEntropyOptions(batch_chunk_size=...)`
+  covers the plain loss. Its chunked path is one custom op (`torch_nn::_linear_cross_
+  entropy_batch_chunked`) whose fake kernel reports only its outputs, so a trace would
+  not see the chunk's logits it allocates; `DECOMPOSITIONS` lets a trace record the op's
+  own Python implementation instead, op by op, so that every buffer it allocates is
+  priced as it runs.
+- `ChunkedCrossEntropy`, ours, covers what PyTorch's chunked path refuses (it falls back
+  to the whole logits for label smoothing) or cannot express (Gemma 2's final logit
+  softcapping), and any loss when the PyTorch version lacks the implementation a trace
+  records (`TORCH_CHUNKED`). Its ops trace as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.modules.linear_cross_entropy import _linear_cross_entropy_batch_chunked_accumulator as _accumulate
+except ImportError:  # another PyTorch: the plain loss runs in our chunks too
+    _accumulate = None
+
+TORCH_CHUNKED = _accumulate is not None and hasattr(torch.nn, "LinearCrossEntropyOptions")
+"""Whether PyTorch's chunked linear_cross_entropy can run the plain loss here and be
+priced op by op (the implementation behind its custom op is where a trace finds it)."""
+
+
+def _batch_chunked(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
+                   linear_bias: torch.Tensor | None, weight: torch.Tensor | None, reduction: str, ignore_index: int,
+                   label_smoothing: float, batch_chunk_size: int, acc_policy: str, acc_dtype: torch.dtype,
+                   allow_retain_graph: bool, compute_input_grad: bool, compute_linear_weight_grad: bool,
+                   compute_linear_bias_grad: bool) -> tuple[torch.Tensor, ...]:
+    """The custom op's forward as its eager kernel runs it (`allow_retain_graph` only
+    changes its backward)."""
+    return _accumulate(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
+                       batch_chunk_size, acc_policy, acc_dtype, compute_input_grad, compute_linear_weight_grad,
+                       compute_linear_bias_grad)
+
+
+DECOMPOSITIONS: dict[Any, Callable[..., Any]] = (
+    {torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default: _batch_chunked} if TORCH_CHUNKED else {})
+"""What a trace records in place of an opaque op, so that its temporaries are priced."""
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """`sum(cross_entropy(softcap(linear(hidden, weight, bias).float()), labels)) / denominator`
+    over rows `rows` at a time, with `ignore_index` rows left out and `label_smoothing` as
+    `F.cross_entropy` applies it; `softcap` None or c for c * tanh(logits / c).
+
+    The forward holds one chunk's float32 logits (two with softcap: their tanh
+    derivative) and builds the gradients of hidden, weight and bias as it goes; the
+    backward scales them by the loss's gradient in place, so it runs once (no
+    retain_graph, no double backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, rows: int, ignore_index: int, label_smoothing: float,
+                softcap: float | None, denominator: torch.Tensor) -> torch.Tensor:
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        valid = labels != ignore_index
+        target = torch.where(valid, labels, 0)
+        scale = valid.to(torch.float32) / denominator
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
+        for start in range(0, hidden.shape[0], rows):
+            part = slice(start, start + rows)
+            total += _chunk(hidden[part], weight, bias, target[part, None], scale[part, None], label_smoothing,
+                            softcap, None if grad_hidden is None else grad_hidden[part], grad_weight, grad_bias)
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                              None if grad_bias is None else grad_bias.to(bias.dtype))
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
+        return (*grads, None, None, None, None, None, None)
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+           scale: torch.Tensor, label_smoothing: float, softcap: float | None, grad_hidden: torch.Tensor | None,
+           grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's share of the loss, its gradients written into `grad_hidden` and added
+    to `grad_weight` and `grad_bias`. Its logits die when it returns, as a trace prices
+    them: a loop body holding them in its variables would keep the last chunk's until the
+    next chunk's exist."""
+    logits = F.linear(hidden, weight, bias).float()
+    slope = None
+    if softcap is not None:
+        logits.div_(softcap).tanh_()
+        slope = torch.mul(logits, logits).neg_().add_(1)
+        logits.mul_(softcap)
+    picked = logits.gather(1, target)[:, 0]
+    mean = logits.mean(1) if label_smoothing else None
+    top = logits.amax(1)
+    grad = logits.sub_(top[:, None]).exp_()  # softmax in place: logsumexp would hide a copy of the logits
+    total = grad.sum(1)
+    grad.div_(total[:, None])
+    lse = top + total.log()
+    loss = lse - picked
+    if mean is not None:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean)
+        grad.sub_(label_smoothing / weight.shape[0])
+    grad.scatter_add_(1, target, torch.full(target.shape, label_smoothing - 1, dtype=grad.dtype, device=grad.device))
+    grad.mul_(scale)
+    if slope is not None:
+        grad.mul_(slope)
+        slope = None  # freed before the matmuls, as a trace prices it
+    if grad_hidden is not None:
+        torch.mm(grad.to(hidden.dtype), weight, out=grad_hidden)
+    if grad_weight is not None:
+        grad_weight.addmm_(grad.t(), hidden.float())
+    if grad_bias is not None:
+        grad_bias += grad.sum(0)
+    return (loss * scale[:, 0]).sum()
