@@ -27,7 +27,10 @@ class PlanCallback(TrainerCallback):
     """Plans and applies activation checkpointing at `budget` (bytes, a size such as
     "6GiB", or a fraction of the unplanned peak) when training begins. Reading the first
     batch and planning leave the random number generators as they were, so training draws
-    the numbers it would draw without the callback. `plan` is the plan applied, once made."""
+    the numbers it would draw without the callback. `plan` is the plan applied, once made;
+    `replanning` is the `optremat.Replanning` it runs under: `replanning.plans` holds the
+    plan of each input shape training has stepped on (the first batch's `plan` among
+    them), and `replanning.planning_seconds` the time spent planning after the first."""
 
     def __init__(self, budget: int | float | str, *, cache: str | Path | None = None, solver: str = "auto",
                  time_limit: float = 30.0) -> None:
@@ -36,6 +39,7 @@ class PlanCallback(TrainerCallback):
         self.solver = solver
         self.time_limit = time_limit
         self.plan: Plan | None = None
+        self.replanning: Replanning | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
@@ -56,8 +60,8 @@ class PlanCallback(TrainerCallback):
             finally:
                 model.train(training)
         log.info("optremat: %s", self.plan.summary().replace("\n", "; "))
-        apply(model, self.plan, replan=Replanning(self.budget, cache=self.cache, solver=self.solver,
-                                                  time_limit=self.time_limit))
+        self.replanning = Replanning(self.budget, cache=self.cache, solver=self.solver, time_limit=self.time_limit)
+        apply(model, self.plan, replan=self.replanning)
 
 
 def _checkpointing(model: torch.nn.Module) -> bool:

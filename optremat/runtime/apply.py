@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,10 @@ class Replanning:
     `optremat.distributed.plan` makes it (ranks agree, rank 0 plans): every rank must then
     meet each new input shape at the same step. The LM head keeps the applied plan's
     chunks (`Plan.chunking`): each shape's regions are planned for them.
-    `plans` holds the plan made for each shape, by its inputs' tensor types."""
+    `plans` holds the plan of each shape seen, by its inputs' tensor types (0-d tensors
+    and constants left out: a token count passed for the loss, as transformers' Trainer
+    passes `num_items_in_batch`, sizes no activation), so `len(plans)` counts the shapes
+    planned; `planning_seconds` is the wall time spent planning them, tracing included."""
 
     budget: int | float | str | None = None
     loss_fn: Callable[[Any], torch.Tensor] | None = None
@@ -48,6 +52,7 @@ class Replanning:
     solver: str = "auto"
     time_limit: float = 30.0
     plans: dict[tuple[str, ...], Plan] = field(default_factory=dict)
+    planning_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.budget is not None:
@@ -60,7 +65,7 @@ class Replanning:
         return functools.partial(self._choose, model, applied)
 
     def _choose(self, model: nn.Module, applied: Plan, args: tuple, kwargs: dict[str, Any]) -> tuple[Region, ...]:
-        key = input_types(args, kwargs)
+        key = _shaped(input_types(args, kwargs))
         if _in_a_group(applied) and not _every_rank_has(key):
             return applied.regions
         if key not in self.plans:
@@ -75,6 +80,7 @@ class Replanning:
             loss_fn = loss_fn.with_chunks(applied.chunking.chunks)  # the head runs as the applied plan says
         options = dict(loss_fn=loss_fn, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
                        cost_model=applied.cost_model, device=applied.device)
+        started = time.perf_counter()
         try:
             if _in_a_group(applied):
                 made = plan_every_rank(model, args, budget, applied.parallel, **options)
@@ -85,6 +91,8 @@ class Replanning:
                 raise
             warnings.warn(f"optremat: inputs {_shown(key)}: {error}; running the plan applied", stacklevel=4)
             return applied
+        finally:
+            self.planning_seconds += time.perf_counter() - started
         log.info("optremat: inputs %s planned: %s", _shown(key), made.summary().splitlines()[0])
         return made
 
@@ -151,8 +159,14 @@ def _shown(key: tuple[str, ...]) -> str:
     return ", ".join(filter(None, key))
 
 
+def _shaped(types: Sequence[str]) -> tuple[str, ...]:
+    """The types of a call's tensors that have a shape: constants ("") and 0-d tensors
+    left out, since passing them or not changes no activation's size."""
+    return tuple(t for t in types if t and not t.endswith("[]"))
+
+
 def _planned_for(plan: Plan, key: tuple[str, ...]) -> bool:
-    """Whether `plan` was priced on inputs of these tensor types (the traced step's input
-    placeholders follow its parameters and buffers)."""
-    params = sum(kind == "param" for kind in plan.graph.kind)
-    return tuple(plan.graph.tensor[params:params + len(key)]) == key
+    """Whether `plan` was priced on inputs of these shaped tensor types (a traced step's
+    inputs come first among its input nodes, in the order of the call's leaves)."""
+    inputs = [t for t, kind in zip(plan.graph.tensor, plan.graph.kind) if kind == "input"]
+    return _shaped(inputs)[:len(key)] == key

@@ -1,0 +1,133 @@
+"""Model families nobody tuned for, from small transformers configs: an encoder-decoder
+(T5), an encoder (BERT classifying sequences), a vision transformer (ViT) and convnets
+(ResNet, ConvNeXt), each planned on a dict batch with labels (the model's own loss),
+applied, and checked against the unplanned model: the same loss and gradients, bitwise,
+and a measured peak within 5% of the prediction and at most 2% over the budget. Decoder
+LMs and mixtures of experts are tested in test_third_party.py and test_batches.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import optremat
+from optremat.runtime.measure import measure_peak
+
+transformers = pytest.importorskip("transformers")
+
+Batch = dict[str, torch.Tensor]
+
+
+def t5() -> tuple[nn.Module, Batch]:
+    config = transformers.T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=256, num_layers=1,
+                                   num_decoder_layers=1, num_heads=4, dropout_rate=0.1, use_cache=False,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    ids = torch.randint(1, 1000, (4, 128))
+    labels = torch.randint(1, 1000, (4, 64))
+    return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                                             "labels": labels}
+
+
+def bert() -> tuple[nn.Module, Batch]:
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                     intermediate_size=256, max_position_embeddings=256, num_labels=3)
+    ids = torch.randint(0, 1000, (8, 128))
+    return transformers.BertForSequenceClassification(config), {
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
+        "labels": torch.randint(0, 3, (8,))}
+
+
+def vit() -> tuple[nn.Module, Batch]:
+    config = transformers.ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=3,
+                                    num_attention_heads=4, intermediate_size=256, num_labels=10)
+    return transformers.ViTForImageClassification(config), {"pixel_values": torch.randn(16, 3, 64, 64),
+                                                            "labels": torch.randint(0, 10, (16,))}
+
+
+def resnet() -> tuple[nn.Module, Batch]:
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[2, 2, 2, 2],
+                                       layer_type="basic", num_labels=10)
+    return transformers.ResNetForImageClassification(config), {"pixel_values": torch.randn(16, 3, 64, 64),
+                                                               "labels": torch.randint(0, 10, (16,))}
+
+
+def convnext() -> tuple[nn.Module, Batch]:
+    config = transformers.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10)
+    return transformers.ConvNextForImageClassification(config), {"pixel_values": torch.randn(16, 3, 64, 64),
+                                                                 "labels": torch.randint(0, 10, (16,))}
+
+
+def own_loss_step(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+    """A step as a Trainer takes it: the model's own loss from `labels`, dropout seeded."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(5)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def measured_peak(model: nn.Module, batch: Batch) -> int:
+    """Peak bytes of a training step holding the model's output through the backward, as
+    plans price it (`out = model(**batch); out.loss.backward()`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> tuple[torch.Tensor, ...]:
+        out = model(**batch)
+        return torch.autograd.grad(out.loss, params)
+
+    step()
+    return measure_peak(step, resident=[params, list(model.buffers()), list(batch.values())]).peak_bytes
+
+
+def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float) -> None:
+    """Plan the family at `budget` and apply it: loss and gradients equal the unplanned
+    step's bitwise; the planned step's measured peak is within 5% of the prediction and at
+    most 2% over the budget."""
+    torch.manual_seed(0)
+    model, batch = build()
+    model.train()
+    state = copy.deepcopy(model.state_dict())
+    want = own_loss_step(model, batch)
+    model.load_state_dict(state)
+    plan = optremat.plan(model, batch, budget, time_limit=0.3, deterministic=True)
+    assert plan.regions and "the model's own" in plan.summary()
+    optremat.apply(model, plan)
+    model.load_state_dict(state)
+    got = own_loss_step(model, batch)
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+    measured = measured_peak(model, batch)
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
+    assert measured <= 1.02 * plan.budget_bytes, (measured, plan.summary())
+
+
+def test_an_encoder_decoder_t5_plans_exactly_within_its_budget() -> None:
+    plans_exactly_within_budget(t5, 0.7)
+
+
+def test_an_encoder_bert_classifying_sequences_plans_exactly_within_its_budget() -> None:
+    plans_exactly_within_budget(bert, 0.7)
+
+
+def test_a_vision_transformer_plans_exactly_within_its_budget() -> None:
+    plans_exactly_within_budget(vit, 0.7)
+
+
+def test_a_resnet_plans_exactly_within_its_budget() -> None:
+    """At 90%: this ResNet's smallest budget of module regions is 87% of its unplanned
+    peak, which falls in its first stage, at the largest resolution."""
+    plans_exactly_within_budget(resnet, 0.9)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="ConvNeXt's CPU step is mispriced: measured 16.6 MB unplanned against 10.4 MB "
+                                       "predicted (1.59x), and 13.7 MB planned at 80% against 7.7 MB predicted")
+def test_a_convnext_plans_exactly_within_its_budget() -> None:
+    plans_exactly_within_budget(convnext, 0.8)
