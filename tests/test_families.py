@@ -126,8 +126,5 @@ def test_a_resnet_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(resnet, 0.9)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="ConvNeXt's CPU step is mispriced: measured 16.6 MB unplanned against 10.4 MB "
-                                       "predicted (1.59x), and 13.7 MB planned at 80% against 7.7 MB predicted")
 def test_a_convnext_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(convnext, 0.8)

@@ -16,6 +16,8 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
+from optremat.tracing.onednn import channels_last_convolution_backward_workspace
+
 aten = torch.ops.aten
 
 
@@ -134,9 +136,14 @@ def workspace_bytes(node: torch.fx.Node) -> int:
 
     Measured on PyTorch's CPU (oneDNN) kernels: a convolution's backward holds reordered
     copies of its output gradient and its input while it runs (transposed ones too); a
-    strided one builds its input gradient in a scratch buffer instead of the first.
+    strided one builds its input gradient in a scratch buffer instead of the first. On
+    channels-last data it runs oneDNN's channels-last kernels instead, priced by
+    `onednn.channels_last_convolution_backward_workspace`.
     """
     if getattr(node.target, "overloadpacket", None) is aten.convolution_backward:
+        channels_last = channels_last_convolution_backward_workspace(node)
+        if channels_last is not None:
+            return channels_last
         stride, transposed = node.args[4], node.args[7]
         grad_output, inputs = (tensor_bytes(node.args[k].meta.get("val")) for k in (0, 1))
         if not transposed and any(s != 1 for s in stride):

@@ -1,0 +1,119 @@
+"""What oneDNN's CPU kernels hold while a convolution's backward runs on channels-last
+data, as measured with oneDNN 3.12 (torch 2.13) on AVX512: the blocked layouts its kernels
+compute weight gradients in pad channels to the register width, which for a depthwise
+convolution its depthwise kernel cannot take costs 256 times the weight (ConvNeXt's 7x7).
+`costs.workspace_bytes` prices a convolution backward with it where it applies."""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import suggest_memory_format
+
+
+def channels_last_convolution_backward_workspace(node: torch.fx.Node) -> int | None:
+    """Temporaries of a float32 2-d convolution's backward that PyTorch runs through oneDNN
+    on channels-last data (the input or the weight suggests channels-last, as eager
+    decides) on an AVX512 CPU; None for any other convolution backward, and where
+    `_onednn_weight_gradient_bytes` has no measured price for the weight gradient.
+
+    Measured with oneDNN 3.12 (torch 2.13), to a few hundred bytes and alike on 1, 2 and 4
+    threads: PyTorch copies the output gradient and the weight to channels-last where they
+    are not already; the input gradient's kernel reorders the weight (its bytes); the
+    weight gradient is computed in oneDNN's blocked layout (`_onednn_weight_gradient_bytes`)
+    and reordered into a plain buffer (the weight's bytes again) that is copied out; the
+    bias gradient is copied out the same way.
+    """
+    args = node.args
+    grad_output, inputs, weight = (args[k].meta.get("val") if isinstance(args[k], torch.fx.Node) else None
+                                   for k in range(3))
+    if not all(isinstance(t, torch.Tensor) for t in (grad_output, inputs, weight)):
+        return None
+    stride, padding, dilation, transposed, output_padding, groups, mask = args[4:11]
+    if (transposed or inputs.device.type != "cpu" or inputs.dim() != 4
+            or torch.backends.cpu.get_cpu_capability() != "AVX512"
+            or any(t.dtype != torch.float32 for t in (grad_output, inputs, weight))):
+        return None
+    if torch.channels_last not in (suggest_memory_format(inputs), suggest_memory_format(weight)):
+        return None
+    try:
+        backend = torch._C._select_conv_backend(inputs, weight, None, list(stride), list(padding), list(dilation),
+                                                transposed, list(output_padding), groups, None)
+    except (RuntimeError, TypeError):
+        return None
+    if backend != torch._C._ConvBackend.Mkldnn:
+        return None
+    item = weight.element_size()
+    weight_bytes = weight.numel() * item
+    total = 0
+    if not grad_output.is_contiguous(memory_format=torch.channels_last):
+        total += grad_output.numel() * grad_output.element_size()
+    if not weight.is_contiguous(memory_format=torch.channels_last):
+        total += weight_bytes
+    if mask[1]:
+        blocked = _onednn_weight_gradient_bytes(weight, groups, list(inputs.shape[2:]), list(grad_output.shape[2:]),
+                                                list(stride), list(padding), list(dilation))
+        if blocked is None:
+            return None
+        total += blocked + weight_bytes
+    elif mask[0]:
+        total += weight_bytes
+    if mask[2]:
+        total += weight.shape[0] * item
+    return total
+
+
+_AVX512_BLOCK = 16
+"""Channels per AVX512 register: oneDNN's blocked weight layouts pad channels to it."""
+
+
+def _onednn_weight_gradient_bytes(weight: torch.Tensor, groups: int, size_in: list[int], size_out: list[int],
+                                  stride: list[int], padding: list[int], dilation: list[int]) -> int | None:
+    """Bytes of the blocked weight gradient oneDNN's AVX512 kernels compute on
+    channels-last data; None for the first-layer kernel (one group of fewer than 16 input
+    channels) and a strided 1x1 convolution's, whose temporaries differ (the older
+    formula bounds them).
+
+    oneDNN's depthwise kernel pads only the number of groups to the block, where its
+    conditions hold; the general and 1x1 kernels pad each group's input and output
+    channels to the block, so a depthwise convolution the depthwise kernel cannot take (a
+    kernel wider than 3, dilation, an input smaller than the kernel...) holds its weight
+    gradient at 16 x 16 = 256 times its size: a 7x7 depthwise convolution's, as in
+    ConvNeXt. The gemm kernel oneDNN falls back to for some dilated or very wide kernels
+    was measured at or below this.
+    """
+    out_channels, per_group_in, kh, kw = weight.shape
+    per_group_out, item, block = out_channels // groups, weight.element_size(), _AVX512_BLOCK
+    if per_group_in == per_group_out == 1 and _onednn_depthwise_kernel(size_in, size_out, [kh, kw], stride, padding,
+                                                                      dilation):
+        return _round_up(groups, block) * kh * kw * item
+    if groups == 1 and per_group_in < block:
+        return None
+    if groups == 1 and kh == kw == 1 and any(s != 1 for s in stride):
+        return None
+    return groups * _round_up(per_group_out, block) * _round_up(per_group_in, block) * kh * kw * item
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _end_padding(size_in: int, size_out: int, extent: int, stride: int, begin: int) -> int:
+    return max(0, (size_out - 1) * stride + extent - size_in - begin)
+
+
+def _onednn_depthwise_kernel(size_in: list[int], size_out: list[int], kernel: list[int], stride: list[int],
+                             padding: list[int], dilation: list[int]) -> bool:
+    """Whether oneDNN's depthwise kernel takes a depthwise convolution's weight gradient
+    (`jit_uni_dw_conv_bwd_weights` init_conf): no dilation, a kernel at most 3 wide, no
+    gaps between windows, padding at most half the kernel (beyond 1, a multiple of the
+    stride in height) and an input as tall as the kernel."""
+    if any(d != 1 for d in dilation) or kernel[1] > 3 or stride[1] > kernel[1]:
+        return False
+    ends = [_end_padding(size_in[a], size_out[a], kernel[a], stride[a], padding[a]) for a in (0, 1)]
+    for a in (0, 1):
+        if max(padding[a], ends[a]) > kernel[a] // 2:
+            return False
+        if size_out[a] != (size_in[a] + padding[a] + ends[a] - kernel[a]) // stride[a] + 1:
+            return False
+    return (size_in[0] >= kernel[0] + (-padding[0]) % stride[0]
+            and (padding[0] <= 1 or padding[0] % stride[0] == 0) and (ends[0] <= 1 or ends[0] % stride[0] == 0))
