@@ -139,6 +139,37 @@ def test_schedule_json_round_trip():
     assert Schedule.from_json(s.to_json()).events == s.events
 
 
+def test_what_the_runtime_holds_counts_at_each_computation_and_replays_from_json():
+    g = chain3()
+    schedule = recompute_all(g)
+    held = 10 * np.arange(1, len(schedule.node) + 1)
+    running = schedule.running(held, [-1] * len(schedule.node))
+    plain, holding = simulate(g, schedule), simulate(g, running, allocations=True)
+    assert holding.curve.tolist() == (plain.curve + held).tolist()
+    live = np.zeros(len(holding.curve), dtype=np.int64)
+    for size, first, end in holding.allocations.tolist():
+        live[first:end] += size
+    assert live.tolist() == holding.curve.tolist()
+    again = Schedule.from_json(running.to_json())
+    assert again.held.tolist() == held.tolist() and simulate(g, again).curve.tolist() == holding.curve.tolist()
+    with pytest.raises(ValueError, match="one per event"):
+        schedule.running([-1] * len(schedule.node), [-1] * len(schedule.node))
+
+
+def test_a_computation_kept_through_a_later_one_lives_past_its_last_read():
+    # x(1) -> a(4) -> b(8); c(16) reads x; d(2) reads b and c. Stage 4 recomputes a, b and
+    # c: a's copy is last read by b, and kept through c's computation it counts there too.
+    g = Graph.build(cost=[0, 1, 1, 1, 1], size=[1, 4, 8, 16, 2], edges=[(0, 1), (1, 2), (0, 3), (2, 4), (3, 4)],
+                    kind=["input"] + ["op"] * 4, output=[False] * 4 + [True])
+    schedule = from_computations(g, [(1, 4), (2, 4), (3, 4)])
+    through = np.full(len(schedule.node), -1)
+    through[schedule.event_index[(1, 4)]] = 3
+    plain, kept = simulate(g, schedule), simulate(g, schedule.running(np.zeros_like(through), through))
+    at_c, at_d = schedule.event_index[(3, 4)], schedule.event_index[(4, 4)]
+    assert (kept.curve - plain.curve).tolist() == [4 if e == at_c else 0 for e in range(len(schedule.node))]
+    assert kept.curve[at_d] == plain.curve[at_d]
+
+
 def test_recomputing_a_base_while_an_alias_holds_its_old_storage_costs_twice():
     # x(10) -> v = view(x); a(1) reads v; b(1) reads x; c(1) reads v and b (the output)
     g = Graph.build(cost=[1.0] * 5, size=[10, 0, 1, 1, 1],

@@ -151,13 +151,14 @@ def _permute(graph: Graph, order: np.ndarray) -> Graph:
     new_index = np.empty(graph.n, dtype=np.int64)
     new_index[order] = np.arange(graph.n)
     pick = lambda column: [column[i] for i in order.tolist()]  # noqa: E731
-    alias = graph.alias_of[order]
+    alias, lives_to = graph.alias_of[order], graph.lives_to[order]
     return Graph.build(
         names=pick(graph.names), ops=pick(graph.ops), cost=graph.cost[order], size=graph.size[order],
         edges=new_index[graph.edges].tolist(), backward=graph.backward[order], kind=pick(graph.kind),
         module=pick(graph.module), alias_of=np.where(alias >= 0, new_index[np.maximum(alias, 0)], -1),
         output=graph.output[order], fusible=graph.fusible[order], workspace=graph.workspace[order],
         tensor=pick(graph.tensor), held=graph.held[order],
+        lives_to=np.where(lives_to >= 0, new_index[np.maximum(lives_to, 0)], -1),
     )
 
 

@@ -41,7 +41,10 @@ class Graph:
     `cost` is seconds per node, `size` bytes of the node's own output storage,
     `workspace` bytes of temporaries the op allocates and frees while it runs, `held`
     bytes the runtime holds outside the graph's tensors while the node's stage runs (a
-    data-parallel runtime's gathered parameters and unreduced gradients). An alias
+    data-parallel runtime's gathered parameters and unreduced gradients), `lives_to` the
+    last node the eager step runs while it still holds the node's output whether or not
+    anything reads it (-1: none; Python holds a module call's arguments until the call
+    returns, a backward formula its temporaries until it returns). An alias
     (`alias_of` >= 0: a view, an in-place result, `detach`) of size 0 holds its base's
     storage; an alias of size > 0 is a *part*: one output of a multi-output op (its base),
     holding only its own bytes of the base's storage, so each output of such an op can
@@ -63,10 +66,13 @@ class Graph:
     workspace: np.ndarray
     tensor: tuple[str, ...] = field(default=())
     held: np.ndarray = field(default=None)
+    lives_to: np.ndarray = field(default=None)
 
     def __post_init__(self) -> None:
         if self.held is None:
             object.__setattr__(self, "held", _frozen(np.zeros(len(self.cost)), np.int64))
+        if self.lives_to is None:
+            object.__setattr__(self, "lives_to", _frozen(np.full(len(self.cost), -1), np.int64))
 
     @classmethod
     def build(
@@ -86,6 +92,7 @@ class Graph:
         workspace: Sequence[int] | None = None,
         tensor: Sequence[str] | None = None,
         held: Sequence[int] | None = None,
+        lives_to: Sequence[int] | None = None,
     ) -> "Graph":
         """Build and validate a graph from plain lists; omitted columns get defaults."""
         n = len(cost)
@@ -105,6 +112,7 @@ class Graph:
             workspace=_frozen(workspace if workspace is not None else [0] * n, np.int64),
             tensor=tuple(tensor) if tensor is not None else ("",) * n,
             held=_frozen(held if held is not None else [0] * n, np.int64),
+            lives_to=_frozen(lives_to if lives_to is not None else [-1] * n, np.int64),
         )
         graph._validate()
         return graph
@@ -114,13 +122,15 @@ class Graph:
         for name in ("names", "ops", "kind", "module", "tensor"):
             if len(getattr(self, name)) != n:
                 raise GraphError(f"column {name!r} has {len(getattr(self, name))} entries for {n} nodes")
-        for name in ("size", "backward", "alias_of", "output", "fusible", "workspace", "held"):
+        for name in ("size", "backward", "alias_of", "output", "fusible", "workspace", "held", "lives_to"):
             if getattr(self, name).shape != (n,):
                 raise GraphError(f"column {name!r} has shape {getattr(self, name).shape} for {n} nodes")
         if np.any(~np.isfinite(self.cost)) or np.any(self.cost < 0):
             raise GraphError("costs must be finite and >= 0")
         if np.any(self.size < 0) or np.any(self.workspace < 0) or np.any(self.held < 0):
             raise GraphError("sizes, workspaces and held bytes must be >= 0")
+        if np.any(self.lives_to < -1) or np.any(self.lives_to >= n):
+            raise GraphError("lives_to must name a node of the graph, or be -1")
         bad_kind = set(self.kind) - set(KINDS)
         if bad_kind:
             raise GraphError(f"unknown node kinds {sorted(bad_kind)}; expected one of {KINDS}")
@@ -257,6 +267,14 @@ class Graph:
         return _frozen(share, np.int64)
 
     @cached_property
+    def held_until(self) -> np.ndarray:
+        """Per node, the stage its first computation lives into at least in the eager step
+        (a schedule's `until`): the one after `lives_to`, at whose start it is freed
+        unless that stage reads it; the node itself where nothing holds it."""
+        hold = np.where(self.lives_to >= 0, np.minimum(self.lives_to + 1, self.n - 1), -1)
+        return _frozen(np.maximum(hold, np.arange(self.n)), np.int64)
+
+    @cached_property
     def pinned_bytes(self) -> int:
         return int(self.size[self.pinned].sum())
 
@@ -282,7 +300,8 @@ class Graph:
         for column in (self.ops, self.kind, self.tensor):
             digest.update("\x1f".join(column).encode())
         for array in (self.size, self.workspace, self.alias_of, self.output, self.backward, self.edges,
-                      *([self.held] if self.held.any() else [])):
+                      *([self.held] if self.held.any() else []),
+                      *([self.lives_to] if (self.lives_to >= 0).any() else [])):
             digest.update(np.ascontiguousarray(array).tobytes())
         return digest.hexdigest()[:16]
 
@@ -315,6 +334,7 @@ class Graph:
             "workspace": self.workspace.tolist(),
             "tensor": list(self.tensor),
             "held": self.held.tolist(),
+            "lives_to": self.lives_to.tolist(),
         }
 
     @classmethod

@@ -32,8 +32,10 @@ def reorder(graph: Graph, order: np.ndarray) -> Graph:
     columns = {name: [getattr(graph, name)[i] for i in order.tolist()]
                for name in ("names", "ops", "kind", "module", "cost", "size", "backward", "output", "fusible",
                             "workspace", "held")}
+    lives_to = graph.lives_to[order]
     return Graph.build(edges=[(int(new[a]), int(new[b])) for a, b in graph.edges.tolist()],
                        alias_of=np.where(alias >= 0, new[np.maximum(alias, 0)], -1).tolist(),
+                       lives_to=np.where(lives_to >= 0, new[np.maximum(lives_to, 0)], -1).tolist(),
                        tensor=[graph.tensor[i] for i in order.tolist()] if len(graph.tensor) == graph.n else None,
                        **columns)
 

@@ -17,7 +17,11 @@ counts once however many live nodes hold it, so a base recomputed while an alias
 holds its old storage costs twice. Parameters and inputs are resident from the start;
 outputs (loss, gradients) are never freed: they are the step's result. Bytes the runtime
 holds outside the graph's tensors during a stage (`Graph.held`) count at every
-computation of that stage.
+computation of that stage; bytes the runtime running one schedule holds beside them
+(`Schedule.held`, per computation: checkpoint's stashed RNG states, say) count at theirs.
+A computation whose `Schedule.through` names a node stays alive, in the stage its
+`until` ends in, through the last computation there of a node up to that one, as if
+that computation read it (what Python holds within a rerun, say).
 """
 
 from __future__ import annotations
@@ -45,12 +49,24 @@ class InvalidSchedule(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
-    """Computation events sorted by (stage, node); see the module docstring."""
+    """Computation events sorted by (stage, node); see the module docstring. Per event,
+    `held` gives the bytes the runtime running the schedule holds beside the graph's
+    tensors as that computation runs (zeros unless given), and `through` the last node
+    whose computation in the stage `until` ends in keeps this one alive (-1: none)."""
 
     node: np.ndarray
     stage: np.ndarray
     until: np.ndarray
     num_stages: int
+    held: np.ndarray = field(default=None)
+    through: np.ndarray = field(default=None)
+
+    def __post_init__(self) -> None:
+        for name, fill in (("held", 0), ("through", -1)):
+            if getattr(self, name) is None:
+                column = np.full(len(self.node), fill, dtype=np.int64)
+                column.setflags(write=False)
+                object.__setattr__(self, name, column)
 
     @classmethod
     def from_events(cls, events: Iterable[tuple[int, int, int]], num_stages: int) -> "Schedule":
@@ -62,6 +78,16 @@ class Schedule:
             column.setflags(write=False)
             columns.append(column)
         return cls(node=columns[0], stage=columns[1], until=columns[2], num_stages=int(num_stages))
+
+    def running(self, held: Iterable[int], through: Iterable[int]) -> "Schedule":
+        """This schedule as a runtime runs it: `held` bytes and `through` nodes (see the
+        class), one entry each per event in event order."""
+        columns = [np.array(list(values), dtype=np.int64) for values in (held, through)]
+        if any(c.shape != self.node.shape for c in columns) or np.any(columns[0] < 0) or np.any(columns[1] < -1):
+            raise ValueError(f"held bytes (>= 0) and through nodes (>= -1) need {len(self.node)} values, one per event")
+        for column in columns:
+            column.setflags(write=False)
+        return Schedule(self.node, self.stage, self.until, self.num_stages, *columns)
 
     @property
     def events(self) -> list[tuple[int, int, int]]:
@@ -79,23 +105,31 @@ class Schedule:
         return len(self.node) - len(np.unique(self.node))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """The schedule as JSON data; `held` and `through` only where its runtime sets them."""
+        data = {
             "format": "optremat.schedule",
             "version": FORMAT_VERSION,
             "num_stages": self.num_stages,
             "events": [list(e) for e in self.events],
         }
+        if self.held.any() or (self.through >= 0).any():
+            data.update(held=self.held.tolist(), through=self.through.tolist())
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Schedule":
         if data.get("format") != "optremat.schedule" or data.get("version") != FORMAT_VERSION:
             raise ValueError(f"not an optremat schedule of format version {FORMAT_VERSION}")
-        return cls.from_events(map(tuple, data["events"]), data["num_stages"])
+        schedule = cls.from_events(map(tuple, data["events"]), data["num_stages"])
+        return schedule.running(data["held"], data["through"]) if "held" in data else schedule
 
 
 def keep_all(graph: Graph) -> Schedule:
-    """The unplanned step: every node computed once, kept until its last consumer ran."""
-    return from_kept(graph, np.ones(graph.n, dtype=bool))
+    """The unplanned step: every node computed once, kept until its last consumer ran and
+    for as long as the eager step holds it (`Graph.held_until`)."""
+    kept = from_kept(graph, np.ones(graph.n, dtype=bool))
+    until = np.maximum(kept.until, graph.held_until[kept.node])
+    return Schedule.from_events(zip(kept.node.tolist(), kept.stage.tolist(), until.tolist()), graph.n)
 
 
 def recompute_all(graph: Graph) -> Schedule:
@@ -201,7 +235,7 @@ def read_through(graph: Graph, nodes: np.ndarray) -> Graph:
     return Graph.build(names=graph.names, ops=graph.ops, cost=graph.cost, size=np.where(inline, 0, graph.size),
                        edges=edges, backward=graph.backward, kind=graph.kind, module=graph.module,
                        alias_of=graph.alias_of, output=graph.output, fusible=graph.fusible,
-                       workspace=graph.workspace, tensor=graph.tensor, held=graph.held)
+                       workspace=graph.workspace, tensor=graph.tensor, held=graph.held, lives_to=graph.lives_to)
 
 
 def kept_for_backward(graph: Graph, schedule: Schedule) -> np.ndarray:
@@ -232,7 +266,8 @@ class SimResult:
     in execution order; `stage_peak` the highest such value per stage. With
     `simulate(..., allocations=True)`, `allocations` lists every allocation as rows
     (bytes, first, end) over `curve`'s indices: live at index c when first <= c < end
-    (a storage from the computation that creates it, an op's workspace for its own index).
+    (a storage from the computation that creates it, an op's workspace and the bytes the
+    runtime holds at a computation for its own index).
     `shared` maps each computation (an index into the schedule's events) that writes its
     output over an input's storage to that input node.
     """
@@ -373,6 +408,10 @@ class _Run:
         self.preds = graph.preds
         self.workspace = graph.workspace.tolist()
         self.held = graph.held.tolist()
+        self.runtime_held = schedule.held.tolist()
+        self.throughs = schedule.through.tolist()
+        self.through_of = [-1] * n
+        self.late: dict[int, int] = {}
         self.resident = (graph.pinned | graph.output).tolist()
         self.shareable = graph.shareable.tolist() if share is not False else []
         self.storage = _Storage(graph, allocations)
@@ -389,14 +428,27 @@ class _Run:
         for pos, k in enumerate(nodes):
             for p in self.preds[k].tolist():
                 last_use[p] = pos
+        self.late = self._kept_through(s, lo, nodes, last_use)
         self.storage.at = lo
         for i in self.expiring[s]:
-            if self.live_until[i] == s and not self.resident[i] and i not in last_use:
+            if self.live_until[i] == s and not self.resident[i] and i not in last_use and i not in self.late:
                 self._free(i)
         if lo == hi or nodes[-1] != s:
             raise InvalidSchedule("the stage does not compute its own node", s, s)
         for pos, (k, u) in enumerate(zip(nodes, untils)):
             self._compute(k, u, s, lo + pos, pos, last_use)
+
+    def _kept_through(self, s: int, lo: int, nodes: list[int], last_use: dict[int, int]) -> dict[int, int]:
+        """The values ending in stage s whose `Schedule.through` keeps them alive past
+        their last read there, each with the position they are freed after."""
+        late: dict[int, int] = {}
+        ending = [(i, self.through_of[i], -1) for i in self.expiring[s] if self.live_until[i] == s]
+        ending += [(k, self.throughs[lo + pos], pos) for pos, k in enumerate(nodes) if self.untils[lo + pos] == s]
+        for i, through, made in ending:
+            held = bisect_right(nodes, through) - 1 if through >= 0 else -1
+            if held > max(last_use.get(i, -1), made) and not self.resident[i]:
+                late[i] = held
+        return late
 
     def _compute(self, k: int, u: int, s: int, event: int, pos: int, last_use: dict[int, int]) -> None:
         """Computation `event` of node k in stage s, kept until stage u, then what dies with it."""
@@ -408,7 +460,9 @@ class _Run:
         if live_until[k] >= s:
             raise InvalidSchedule("node is computed while a copy of it is still live", s, k)
         storage.at = event
-        dying = [p for p in preds if live_until[p] == s and not resident[p] and last_use[p] == pos]
+        dying = [p for p in preds if live_until[p] == s and not resident[p] and last_use[p] == pos
+                 and p not in self.late]
+        dying += [i for i, held in self.late.items() if held == pos and i != k and live_until[i] == s]
         if len(dying) > 1:
             dying = list(dict.fromkeys(dying))
         instance = self._writes_over(k, s, event, dying) if self.share is not False else -1
@@ -418,13 +472,16 @@ class _Run:
         else:
             storage.hold(k)
         live_until[k] = u
+        self.through_of[k] = self.throughs[event]
         if u > s:
             self.expiring[u].append(k)
-        self.curve[event] = storage.bytes + self.workspace[k] + self.held[s]
+        held = self.held[s] + self.runtime_held[event]
+        self.curve[event] = storage.bytes + self.workspace[k] + held
         storage.at = event + 1
-        if storage.allocations and self.workspace[k]:
-            storage.closed.append((self.workspace[k], event, event + 1))
-        if u == s and not resident[k] and last_use.get(k, -1) <= pos:
+        for extra in (self.workspace[k], held) if storage.allocations else ():
+            if extra:
+                storage.closed.append((extra, event, event + 1))
+        if u == s and not resident[k] and max(last_use.get(k, -1), self.late.get(k, -1)) <= pos:
             dying.append(k)
         for i in dying:
             self._free(i)

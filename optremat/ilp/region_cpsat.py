@@ -18,7 +18,6 @@ from typing import Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
-from optremat.core.graph import Graph
 from optremat.core.schedule import InvalidSchedule
 from optremat.ilp.region_model import Atom, Literal, RegionModel, Row
 from optremat.ilp.search import configure
@@ -137,7 +136,7 @@ class _Cp:
     def __init__(self, model: RegionModel, budget: int | None) -> None:
         self.regions, self.budget = model, budget
         self.cp = cp_model.CpModel()
-        self.peak = None if budget is not None else self.cp.new_int_var(0, _most_bytes(model.graph), "peak")
+        self.peak = None if budget is not None else self.cp.new_int_var(0, _most_bytes(model), "peak")
         self.var: dict[Atom, cp_model.IntVar] = {}
         self.rows: set[tuple[int, int, int]] = set()
         graph = model.graph
@@ -222,7 +221,9 @@ class _Cp:
         return self.regions.graph.total_cost + objective / self.scale
 
 
-def _most_bytes(graph: Graph) -> int:
+def _most_bytes(model: RegionModel) -> int:
     """More bytes than any event of any plan holds: every storage twice (original and
-    copy), the largest workspace and held bytes."""
-    return int(2 * graph.unit_size.sum() + graph.workspace.max(initial=0) + graph.held.max(initial=0))
+    copy), the largest workspace and held bytes, and every call's stashes twice."""
+    graph = model.graph
+    stashes = sum(stash.rerun_bytes + sum(nbytes for _, _, nbytes in stash.spans) for stash in model.stash.values())
+    return int(2 * graph.unit_size.sum() + graph.workspace.max(initial=0) + graph.held.max(initial=0) + stashes)

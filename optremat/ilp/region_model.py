@@ -87,6 +87,7 @@ class RegionModel:
         self._copy_until = {(v, c.index): max([c.rerun.t] + [s for s in graph.succs[v].tolist()
                                                              if graph.backward[s] and s >= c.rerun.t])
                             for v, calls in self.recomputed_in.items() for c in calls}
+        self.stash = {c.index: rmap.stash(c.call) for c in self.calls}
 
     def x(self, i: int) -> Literal:
         """The literal that candidate i runs under checkpoint."""
@@ -127,10 +128,11 @@ class RegionModel:
         return self.values(on, saved)
 
     def read_back(self, c: Checkpointable) -> list[int]:
-        """Owners whose recomputation the backward reads: a checkpointed call recomputes at
-        least one, else it runs plainly (`regions._region`)."""
+        """Owners up to the rerun's stop whose recomputation the backward reads: a
+        checkpointed call recomputes at least one, else it runs plainly (`regions._region`)."""
         reads = self.rmap.facts.backward_reads
-        return sorted({int(self.owner[v]) for v in c.rerun.recomputable if reads[v]} - c.forced)
+        recomputed = [v for v in c.rerun.recomputable if v <= c.rerun.stop]
+        return sorted({int(self.owner[v]) for v in recomputed if reads[v]} - c.forced)
 
     def realisable(self, values: Mapping[Atom, bool]) -> bool:
         """Whether no two calls `values` checkpoints share an op, and each recomputes
@@ -163,10 +165,13 @@ class RegionModel:
 
     def row(self, stage: int, node: int, call: int) -> Row:
         """The bytes of the event computing `node` in `stage` (candidate `call`'s rerun, or
-        the stage's own computation when `call` is OWN)."""
+        the stage's own computation when `call` is OWN), with what the runtime holds for
+        the checkpointed calls (`RegionMap.stash`)."""
         graph = self.graph
         constant = int(graph.held[stage]) + int(graph.workspace[node])
-        terms = []
+        constant += 0 if call == OWN else self.stash[call].rerun_bytes
+        terms = [(nbytes, ((self.x(c.index),),)) for c in self.calls
+                 for first, last, nbytes in self.stash[c.index].spans if first <= stage <= last]
         for o, copy, size, holders in self._instances:
             ways = [w for h in holders for w in self._holder_live(o, copy, h, stage, node) if _consistent(w)]
             if not ways:
@@ -204,16 +209,33 @@ class RegionModel:
                      if w >= node and h in graph.preds[w].tolist()]
         return ways
 
+    def _held_to(self, stage: int, node: int, through: int) -> list[Conjunction]:
+        """Ways an event of `stage` at or after the one computing `node` computes a node up
+        to `through` (`Schedule.through` keeps a value alive through it)."""
+        return [(self.r(w, c.index),) for c in self.rerun_at.get(stage, ()) for w in c.rerun.recomputable
+                if node <= w <= through]
+
     def _original_live(self, h: int, stage: int, node: int) -> list[Conjunction]:
         """Ways the forward's computation of h is live at the event: made by then, and its
-        `until` past the stage, or ending in it with a reader still to come."""
+        `until` past the stage, or ending in it with a reader still to come (or, for an
+        op a policy saved, its call's rerun still under way)."""
         if h > stage or (h == stage and node != stage):
             return []
         if h == stage:
             return [TRUE]
         ways = [w for end, w in self._terms[h] if end > stage]
-        ways += [w + r for end, w in self._terms[h] if end == stage for r in self._readers_after(h, stage, node)]
+        for end, w in self._terms[h]:
+            if end == stage:
+                ways += [w + r for r in self._readers_after(h, stage, node) + self._saved_until(w, stage, node)]
         return ways
+
+    def _saved_until(self, way: Conjunction, stage: int, node: int) -> list[Conjunction]:
+        """Ways the selective policy's storage still holds an op `way` saves (a saving
+        literal) at the event: its call reruns in `stage` and its rerun is not over."""
+        if len(way) != 1 or way[0][0][0] != "s":
+            return []
+        c = self._by_index[way[0][0][2]]
+        return self._held_to(stage, node, max(c.rerun.recomputable)) if c.rerun.t == stage else []
 
     def _copy_live(self, v: int, i: int, stage: int, node: int) -> list[Conjunction]:
         """Ways candidate i's rerun copy of v is live at the event (as `_original_live`)."""
@@ -225,7 +247,8 @@ class RegionModel:
             return [made]
         if until < stage:
             return []
-        return [made + r for r in self._readers_after(v, stage, node)]
+        held = self._held_to(stage, node, int(self.graph.lives_to[v])) if until == t else []
+        return [made + r for r in self._readers_after(v, stage, node) + held]
 
 
 def _not(literal: Literal) -> Literal:
@@ -266,9 +289,10 @@ def _until_terms(model: RegionModel) -> list[list[tuple[int, Conjunction]]]:
         if graph.pinned[h] or graph.output[h]:
             add(h, n, TRUE)
             continue
-        add(h, max([h] + succs), tuple(_not(model.r(h, c.index)) for c in reruns))
+        held = int(graph.held_until[h])
+        add(h, max([held] + succs), tuple(_not(model.r(h, c.index)) for c in reruns))
         for c in reruns:
-            add(h, max([h] + [s for s in succs if not (graph.backward[s] and s >= c.rerun.t)]),
+            add(h, max([held] + [s for s in succs if not (graph.backward[s] and s >= c.rerun.t)]),
                 (model.r(h, c.index),))
     for c in model.calls:
         inside = set(c.rerun.recomputable)
@@ -281,7 +305,7 @@ def _until_terms(model: RegionModel) -> list[list[tuple[int, Conjunction]]]:
         for p in c.rerun.external:
             add(p, c.rerun.released, (model.x(c.index),))
         for o in model.saveable[c.index]:
-            add(o, min(c.rerun.t + 1, n - 1), (model.s(o, c.index),))
+            add(o, c.rerun.t, (model.s(o, c.index),))
     return [[(end, way) for way, end in found.items() if way == TRUE or end > found.get(TRUE, -1)]
             for found in terms]
 
@@ -329,6 +353,6 @@ def _checkpointable(rmap: RegionMap, index: int, call: Call) -> Checkpointable |
     if any(v in recomputable and int(owner[v]) not in rerun.saveable for v in rerun.read_after):
         return None
     forced = frozenset(int(owner[v]) for v in rerun.read_after) & rerun.saveable
-    if not any(reads[v] and int(owner[v]) not in forced for v in rerun.recomputable):
+    if not any(reads[v] and int(owner[v]) not in forced for v in rerun.recomputable if v <= rerun.stop):
         return None
     return Checkpointable(index, call, rerun, forced)

@@ -6,11 +6,13 @@ keyed by (op, occurrence of that op in the call) saves the outputs of some ops. 
 backward first unpacks a tensor the region's autograd nodes saved, the region's forward
 reruns from its start: saved ops return their stored outputs, every other op runs again,
 and the rerun stops at the last op whose autograd node saves a tensor (early stop; that
-op runs only if its node saves its output, since autograd saves inputs before the kernel).
-Recomputed tensors the backward reads live until their last reader; the others die
-within the rerun; a saved output is stored until the rerun takes it (priced as held
-through the backward op that triggered the rerun); the region's inputs live until the
-last of its autograd nodes has run.
+op runs only if its node saves its output, since autograd saves inputs before the kernel,
+and then with the views of its outputs that follow it). Recomputed tensors the backward
+reads live until their last reader; the others die within the rerun, once Python lets
+go of them; a saved output stays in the policy's storage until the rerun is over; the
+region's inputs live until the last of its autograd nodes has run. What checkpoint and
+the runtime stash beside the tensors (RNG states, copies of buffers) is priced per call
+(`RegionMap.stash`).
 
 This module maps a traced step's nodes to regions and keys, lowers a keep set (which
 forward tensors the backward should find stored) to regions, and prices what the runtime
@@ -21,7 +23,7 @@ No torch here: the torch facts (call stacks, random ops) arrive as plain data.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Sequence
 
@@ -94,7 +96,9 @@ class RegionMap:
     checkpoint's own cost per call it reruns and `pack_seconds` per tensor the call's
     autograd nodes save. `unit`, when given, names per node the FSDP unit running it: a
     region never spans two units, so its rerun finds its parameters gathered and never
-    gathers them again."""
+    gathers them again. `rng_state_bytes` is one stash of the RNG state in the device's
+    memory and `buffers` the node of each buffer the forward writes (by its name in
+    `named_buffers`): see `stash`."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]
@@ -105,6 +109,31 @@ class RegionMap:
     unit: np.ndarray | None = None
     rerun_seconds: float = 0.0
     pack_seconds: float = 0.0
+    rng_state_bytes: int = 0
+    buffers: dict[str, int] = field(default_factory=dict)
+
+    def stash(self, call: Call) -> "Stash":
+        """What the runtime holds for `call` when it runs under checkpoint: checkpoint's
+        copy of the RNG state from the call's forward until its autograd nodes are done,
+        and another while the call reruns (`fork_rng`); `runtime.native`'s copy of each
+        buffer the call's modules write (those under its path, or under its span's
+        children), made as the call starts and dropped when its rerun ends, and the copy
+        the rerun runs on, dropped when the rerun ends unless an autograd node of the
+        rerun saved it (BatchNorm's running statistics), then when the last op reading it
+        has run (from the stage of the rerun: counted at every computation there)."""
+        rerun, graph = self.reruns[call], self.graph
+        span = parse_span(call[0])
+        roots = [call[0]] if span is None else list(self.sequences[span[0]][span[1]:span[2]])
+        prefixes = tuple(f"{root}." if root else "" for root in roots)
+        written = [b for name, b in self.buffers.items() if name.startswith(prefixes)]
+        ran = {s for v in rerun.nodes for s in self.facts.ran[v]}
+        read = {b: max((s for s in graph.succs[b].tolist() if s in ran), default=-1) for b in written}
+        first, copies = rerun.nodes[0], int(graph.size[written].sum())
+        spans = [(first, rerun.done, self.rng_state_bytes), (first, rerun.t - 1, copies)]
+        spans += [(rerun.t, last, int(graph.size[b])) for b, last in read.items() if last >= 0]
+        scratch = int(sum(graph.size[b] for b, last in read.items() if last < 0))
+        return Stash(tuple(span for span in spans if span[2] and span[0] <= span[1]),
+                     self.rng_state_bytes + copies + scratch)
 
     @cached_property
     def members(self) -> dict[Call, np.ndarray]:
@@ -223,6 +252,16 @@ class RegionMap:
         return {call: rerun_of(self, call) for call in self.members}
 
 
+@dataclass(frozen=True)
+class Stash:
+    """Bytes the runtime holds beside the graph's tensors for one checkpointed call:
+    `spans` of (first stage, last stage, bytes) held at every computation of those
+    stages, and `rerun_bytes` more at each computation of the call's rerun."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    rerun_bytes: int
+
+
 @dataclass(frozen=True, eq=False)
 class _Facts:
     """Per node: the backward ops reading it, the last forward op reading it, the backward
@@ -283,19 +322,24 @@ def _tilings(count: int) -> dict[int, list[tuple[int, int]]]:
 class Rerun:
     """What checkpointing one call does, whatever its policy saves: the rerun starts at
     stage `t` (the first unpack of a tensor its autograd nodes saved) and computes the
-    `recomputable` nodes whose owner is not saved, stopping at `last` (the last op whose
-    autograd node saves a tensor); its `external` inputs live until `released`. A policy
-    may save the `saveable` ops (keyed, not random, not written over, up to `last`) and
-    must save the owners of `read_after` (outputs the backward reads after the call, and
-    results of the step, which the caller holds), else the call cannot be checkpointed.
+    `recomputable` nodes whose owner is not saved, stopping at `stop` (`last`, the last op
+    whose autograd node saves a tensor, or the node before it) and the views of it that
+    follow; its `external` inputs live until `released`, and checkpoint's record of the
+    call (`RegionMap.stash`) through stage `done`, the last op its autograd nodes run. A
+    policy may save the `saveable` ops (keyed, not random, not written over, up to
+    `last`) and must save the owners of `read_after` (outputs the backward reads after the
+    call, and results of the step, which the caller holds), else the call cannot be
+    checkpointed.
     `cost` is checkpoint's own bookkeeping (per call and per saved tensor);
     `policy_looks` the ops a selective policy looks at, in the forward and again in the
     rerun."""
 
     nodes: tuple[int, ...]
     last: int
+    stop: int
     t: int
     released: int
+    done: int
     recomputable: tuple[int, ...]
     saveable: frozenset[int]
     read_after: frozenset[int]
@@ -320,11 +364,13 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
     end = nodes[-1]
     stop = last if _saves_its_output(rmap, last) else last - 1
     t = min(s for v in nodes for s in facts.unpacks[v])
-    released = min(max([t] + [s + 1 for v in nodes for s in facts.ran[v]]), graph.n - 1)
+    done = max([t] + [s for v in nodes for s in facts.ran[v]])
+    released = min(done + 1, graph.n - 1)
     counted = [v for v in nodes if graph.ops[v] != "getitem"]
+    recomputable = [v for v in nodes if v <= stop and int(facts.owner[v]) in inside]
     return Rerun(
-        nodes=tuple(nodes), last=last, t=t, released=released,
-        recomputable=tuple(v for v in nodes if v <= stop and int(facts.owner[v]) in inside),
+        nodes=tuple(nodes), last=last, stop=stop, t=t, released=released, done=done,
+        recomputable=tuple(recomputable + _stop_views(rmap, nodes, stop, set(recomputable))),
         saveable=frozenset(o for o in nodes if o in keys and o <= last and not rmap.random[o]
                            and not facts.overwritten[o]),
         read_after=frozenset(v for v in nodes if v <= last and (graph.output[v] or facts.backward_reads[v]
@@ -335,6 +381,21 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
         policy_looks=len(counted) + sum(v <= last for v in counted))
 
 
+def _stop_views(rmap: RegionMap, nodes: list[int], stop: int, recomputed: set[int]) -> list[int]:
+    """The views and parts of a rerun's last op that the trace lists right after it (the
+    outputs of a multi-output op, the detach autograd saves an output through): the rerun
+    makes them with the op, and the backward reads them, not the forward's. Those the
+    step reads after the call (its outputs) stay the forward's."""
+    graph, facts = rmap.graph, rmap.facts
+    end, views = nodes[-1], []
+    for v in (v for v in nodes if v > stop):
+        if graph.alias_of[v] < 0 or int(graph.alias_of[v]) not in recomputed | set(views):
+            break
+        if not graph.output[v] and facts.last_forward_read[v] <= end:
+            views.append(v)
+    return views
+
+
 def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lowering:
     """The regions of `structure` (calls that share no op) that realise `kept` (forward
     nodes the backward should find stored), and the schedule the runtime then executes."""
@@ -342,6 +403,8 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
     graph = rmap.graph
     recompute: dict[int, list[int]] = {}
     held: dict[int, int] = {}
+    through: dict[int, tuple[int, int]] = {}
+    stashes = []
     regions = []
     runtime_cost = 0.0
     for call in structure:
@@ -357,10 +420,41 @@ def lower(rmap: RegionMap, structure: Sequence[Call], kept: np.ndarray) -> Lower
         for p in rerun.external:
             held[p] = max(held.get(p, rerun.released), rerun.released)
         for o in saved_ops:
-            held[o] = max(held.get(o, rerun.t + 1), min(rerun.t + 1, graph.n - 1))
+            held[o] = max(held.get(o, rerun.t), rerun.t)
+            through[o] = (rerun.t, max(rerun.recomputable))
+        stashes.append((rerun.t, recomputed, rmap.stash(call)))
         keys = rmap.keys(call)
         regions.append(Region(call[0], call[1], frozenset(keys[o] for o in saved_ops)))
-    return Lowering(tuple(regions), _schedule(graph, recompute, held), runtime_cost)
+    schedule = _schedule(graph, recompute, held)
+    return Lowering(tuple(regions), schedule.running(_stashed(schedule, stashes), _through(graph, schedule, through)),
+                    runtime_cost)
+
+
+def _stashed(schedule: Schedule, stashes: list[tuple[int, list[int], Stash]]) -> np.ndarray:
+    """Per event of `schedule`, the bytes the runtime holds for its checkpointed calls
+    (the stage a call reruns in, the nodes it recomputes, its `Stash`)."""
+    held = np.zeros(len(schedule.node), dtype=np.int64)
+    for t, recomputed, stash in stashes:
+        for first, last, nbytes in stash.spans:
+            held[(schedule.stage >= first) & (schedule.stage <= last)] += nbytes
+        held[[schedule.event_index[(v, t)] for v in recomputed]] += stash.rerun_bytes
+    return held
+
+
+def _through(graph: Graph, schedule: Schedule, saved: dict[int, tuple[int, int]]) -> np.ndarray:
+    """Per event of `schedule`, the last node whose computation in the stage its `until`
+    ends in keeps it alive (`Schedule.through`): a saved op's output stays in the
+    selective policy's storage until its call's rerun is over (`saved`: per saved op the
+    stage its call reruns in and the call's last recomputable node), and Python holds a
+    rerun's tensors as the forward held them (`Graph.lives_to`), until the rerun is over
+    at the latest."""
+    through = np.full(len(schedule.node), -1, dtype=np.int64)
+    for e, (v, s, u) in enumerate(schedule.events):
+        if s == v and v in saved and u == saved[v][0]:
+            through[e] = saved[v][1]
+        elif s != v and u == s:
+            through[e] = graph.lives_to[v]
+    return through
 
 
 def _check_disjoint(rmap: RegionMap, structure: Sequence[Call]) -> None:
@@ -378,15 +472,16 @@ def _check_disjoint(rmap: RegionMap, structure: Sequence[Call]) -> None:
 def _region(rmap: RegionMap, rerun: Rerun, kept: np.ndarray) -> tuple[list[int], list[int]] | None:
     """(ops saved, nodes recomputed) of a call checkpointed to realise `kept`, or None
     when it runs plainly: `kept` stores every tensor of it the backward reads, nothing it
-    would recompute is read by the backward, or an output the backward reads after the
-    call cannot be saved (the rerun would make a second copy of a tensor still live)."""
+    would recompute up to its stop (the views of its stop op aside) is read by the
+    backward, or an output the backward reads after the call cannot be saved (the rerun
+    would make a second copy of a tensor still live)."""
     facts = rmap.facts
     if all(kept[v] for v in rerun.nodes if facts.backward_reads[v]):
         return None
     saved_ops = {int(facts.owner[v]) for v in rerun.nodes if v <= rerun.last and (kept[v] or v in rerun.read_after)}
     saved_ops &= rerun.saveable
     recomputed = [v for v in rerun.recomputable if int(facts.owner[v]) not in saved_ops]
-    if not any(facts.backward_reads[v] for v in recomputed):
+    if not any(facts.backward_reads[v] for v in recomputed if v <= rerun.stop):
         return None
     if any(v in rerun.read_after for v in recomputed):
         return None
@@ -405,8 +500,10 @@ def _saves_its_output(rmap: RegionMap, v: int) -> bool:
 def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int]) -> Schedule:
     """Each node in its own stage, plus the recomputations. A recomputed copy lives until
     its last backward reader from the recomputation on; a reader before it (an autograd
-    node outside the region that saved the tensor itself) holds the original. A region's
-    inputs live until its autograd nodes release them (`held`: the stage they are freed at)."""
+    node outside the region that saved the tensor itself) holds the original, and so does
+    the eager step as long as it holds it (`Graph.held_until`). A region's inputs live
+    until its autograd nodes release them, a saved op's output until its call reruns
+    (`held`: the stage each lives into)."""
     n = graph.n
     until = np.arange(n)
     again: dict[tuple[int, int], int] = {}
@@ -426,6 +523,7 @@ def _schedule(graph: Graph, recompute: dict[int, list[int]], held: dict[int, int
                     until[p] = max(until[p], t)
     for v, t in held.items():
         until[v] = max(until[v], t)
+    until = np.maximum(until, graph.held_until)
     until[graph.pinned | graph.output] = n - 1
     events = [(v, v, int(until[v])) for v in range(n)] + [(v, t, u) for (v, t), u in again.items()]
     return Schedule.from_events(events, n)

@@ -113,8 +113,12 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
                  for path, module in model.named_modules() if runs_its_children(module)}
     unit = unit_of(graph, parallel.units) if isinstance(parallel, FSDP) else None
     profile = device_profile(device)
+    buffers = [name for name, _ in model.named_buffers()]
+    first = len(dict(model.named_parameters()))
+    written = {name: first + buffers.index(name) for name in traced.mutated_buffers if name in buffers}
     return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
-                     profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds)
+                     profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds,
+                     profile.rng_state_bytes, written)
 
 
 def runs_its_children(module: nn.Module) -> bool:

@@ -29,7 +29,11 @@ class DeviceProfile:
     it sees, `rerun_seconds` each checkpointed call (its bookkeeping and its rerun), and
     `pack_seconds` each tensor its autograd nodes save (packed in the forward and the
     rerun, unpacked in the backward). The last two were measured on a 2-core x86 CPU with
-    torch 2.13: chains of tiny ops saving one or two tensors each, checkpointed and plain."""
+    torch 2.13: chains of tiny ops saving one or two tensors each, checkpointed and plain.
+    `rng_state_bytes` is what one stash of the RNG state takes in the device's memory:
+    checkpoint keeps one per checkpointed call from its forward until its autograd nodes
+    are done, and another while the call reruns. The CPU's is `torch.get_rng_state()`; a
+    GPU's stash is a host tensor, nothing in the GPU's memory."""
 
     name: str
     flops_per_second: float
@@ -38,13 +42,15 @@ class DeviceProfile:
     dispatch_seconds: float = 1.6e-5
     rerun_seconds: float = 6.5e-5
     pack_seconds: float = 7e-6
+    rng_state_bytes: int = 0
 
 
 COST_MODELS = ("roofline", "profile")
 """How ops are priced: from FLOPs and bytes over a device profile, or timed on this machine."""
 
 DEVICES: dict[str, DeviceProfile] = {
-    "cpu": DeviceProfile("cpu", flops_per_second=1.0e11, bytes_per_second=1.0e10, launch_seconds=5e-6),
+    "cpu": DeviceProfile("cpu", flops_per_second=1.0e11, bytes_per_second=1.0e10, launch_seconds=5e-6,
+                         rng_state_bytes=torch.get_rng_state().nbytes),
     "a100": DeviceProfile("a100", flops_per_second=1.56e14, bytes_per_second=1.6e12, launch_seconds=5e-6),
     "h100": DeviceProfile("h100", flops_per_second=4.9e14, bytes_per_second=3.0e12, launch_seconds=4e-6),
     "h200": DeviceProfile("h200", flops_per_second=4.9e14, bytes_per_second=4.3e12, launch_seconds=4e-6),
@@ -138,17 +144,30 @@ def workspace_bytes(node: torch.fx.Node) -> int:
     copies of its output gradient and its input while it runs (transposed ones too); a
     strided one builds its input gradient in a scratch buffer instead of the first. On
     channels-last data it runs oneDNN's channels-last kernels instead, priced by
-    `onednn.channels_last_convolution_backward_workspace`.
+    `onednn.channels_last_convolution_backward_workspace`. A batch norm's backward that
+    computes the input gradient allocates a scratch buffer of the input's size, its
+    forward two per-channel vectors (three in training on a 2-D input); a layer norm's
+    backward that computes the weight or bias gradient two vectors of the normalized
+    shape (any dtype; torch 2.13).
     """
-    if getattr(node.target, "overloadpacket", None) is aten.convolution_backward:
+    packet = getattr(node.target, "overloadpacket", None)
+    value = lambda k: node.args[k].meta.get("val")  # noqa: E731
+    if packet is aten.convolution_backward:
         channels_last = channels_last_convolution_backward_workspace(node)
         if channels_last is not None:
             return channels_last
         stride, transposed = node.args[4], node.args[7]
-        grad_output, inputs = (tensor_bytes(node.args[k].meta.get("val")) for k in (0, 1))
+        grad_output, inputs = tensor_bytes(value(0)), tensor_bytes(value(1))
         if not transposed and any(s != 1 for s in stride):
             return 2 * inputs
         return grad_output + inputs
+    if packet is aten.native_batch_norm_backward:
+        return tensor_bytes(value(1)) if node.args[9][0] else 0
+    if packet is aten.native_batch_norm:
+        x = value(0)
+        return (3 if node.args[5] and x.dim() == 2 else 2) * x.shape[1] * x.element_size()
+    if packet is aten.native_layer_norm_backward and node.args[5] is not None:
+        return 2 * tensor_bytes(value(5)) if any(node.args[7][1:]) else 0
     return 0
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -145,7 +145,8 @@ def trace(
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
-    with _tracing(), _grouped_mm_in_any_float(), _module_paths(model) as where, fx_traceback.preserve_node_meta():
+    with _tracing(), _grouped_mm_in_any_float(), _module_paths(model) as where, _python_holds(model) as holds, \
+            fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
                          decomposition_table=DECOMPOSITIONS)(*args)
@@ -171,7 +172,8 @@ def trace(
     gradient_nodes = tuple(index[node.name] for node in results[len(results) - len(structure["gradients"]):])
     grad_of = _grad_of(gm, graph)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
-                                        for m, f in zip(graph.module, grad_of)))
+                                        for m, f in zip(graph.module, grad_of)),
+                    lives_to=_lives_to(gm, graph, holds))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes)
 
@@ -426,6 +428,71 @@ def _module_paths(model: nn.Module) -> Iterator[Callable[[], str]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
+    """While tracing, what eager Python holds past its last read: a module call's tensor
+    arguments until the call returns, and the tensors of a tuple a call returns (unpacked
+    into its caller's locals) until the caller returns. Yields, filled in as calls
+    return, per fx node name the name of the last node traced while it is held."""
+    holds: dict[str, str] = {}
+    frames: list[list[torch.fx.Node]] = []
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        frames.append(_traced_nodes((args, kwargs)))
+
+    def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        held, last = frames.pop(), _last_traced()
+        if last is not None:
+            holds.update((node.name, last.name) for node in held)
+        if frames and isinstance(output, tuple):
+            frames[-1].extend(_traced_nodes(output))
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave, with_kwargs=True))
+    try:
+        yield holds
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _traced_nodes(value: Any) -> list[torch.fx.Node]:
+    """The fx nodes of the tensors in `value` that the trace under way tracks."""
+    mode = get_proxy_mode()
+    if mode is None:
+        return []
+    slots = [get_proxy_slot(t, mode.tracer, None) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return [slot.proxy.node for slot in slots if slot is not None]
+
+
+def _last_traced() -> torch.fx.Node | None:
+    """The node the trace under way recorded last."""
+    mode = get_proxy_mode()
+    return None if mode is None else next(reversed(mode.tracer.graph.nodes), None)
+
+
+def _lives_to(gm: torch.fx.GraphModule, graph: Graph, holds: dict[str, str]) -> np.ndarray:
+    """`Graph.lives_to` of a traced step: what Python holds (`_python_holds`), and the
+    ops each autograd node runs in the backward, whose results its C++ formula holds
+    until the formula returns (its temporaries die with the statement or the function,
+    its outputs are passed on), so until the last of them."""
+    index = {name: i for i, name in enumerate(graph.names)}
+    lives_to = np.full(graph.n, -1, dtype=np.int64)
+    for name, last in holds.items():
+        if name in index and last in index:
+            lives_to[index[name]] = index[last]
+    formulas: dict[int, list[int]] = {}
+    for node in gm.graph.nodes:
+        seq_nr = node.meta.get("custom", {}).get(f"{_MARK}_grad_of")
+        if seq_nr is not None and node.name in index:
+            formulas.setdefault(seq_nr, []).append(index[node.name])
+    for ops in formulas.values():
+        lives_to[ops] = np.maximum(lives_to[ops], max(ops))
+    return np.where(lives_to > np.arange(graph.n), lives_to, -1)
 
 
 def _call_stack(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:

@@ -1,0 +1,129 @@
+"""What eager PyTorch allocates beyond the traced tensors is priced: kernel scratch
+buffers, what checkpoint and the runtime stash per checkpointed call, what a rerun
+that stops early still computes, and what Python holds past its last read. Each plan's
+predicted peak is the measured one (CPU, float64, batches small enough that a few
+hundred bytes matter)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import optremat
+from optremat.planners.regions import Region
+from optremat.runtime.measure import measure_step
+from optremat.tracing.costs import DEVICES
+
+WIDTH, BATCH = 32, 96
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+class Scale(nn.Module):
+    """A product with a number: its autograd node saves nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+
+class Tuple(nn.Module):
+    """Returns a tuple of two tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.lin(x)), torch.tanh(x)
+
+
+class Unpacking(nn.Module):
+    """Unpacks the tuple a child returns: Python holds both halves until it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Tuple()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.inner(x)
+        return a * 0.5 + b
+
+
+class Twice(nn.Module):
+    """Calls a block on its own output: the first result is held through the second call."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.block(x))
+
+
+def framed(*blocks: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, WIDTH), *blocks, nn.Linear(WIDTH, 4)).double()
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
+    "a batch norm's backward scratch buffer": (lambda: framed(nn.BatchNorm1d(WIDTH)), ()),
+    "the RNG state and buffer copies of a checkpointed batch norm": (
+        lambda: framed(nn.BatchNorm1d(WIDTH)), (Region("[0:2]", 0),)),
+    "a rerun stopping at a tanh that saves its output": (
+        lambda: framed(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh()),
+                       Scale()), (Region("1", 0),)),
+    "a saved output dropped when the rerun is over": (
+        lambda: framed(nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))),
+        (Region("1[0:2]", 0),)),
+    "a block's output held through its second call": (
+        lambda: framed(Twice(nn.Sequential(nn.Linear(WIDTH, WIDTH), Unpacking(), nn.BatchNorm1d(WIDTH)))), ()),
+    "a tuple's halves held while the caller runs, in its rerun too": (
+        lambda: framed(nn.Sequential(Unpacking(), nn.Tanh())), (Region("1", 0),)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_predicted_peak_is_what_eager_allocates(case: str) -> None:
+    make, regions = CASES[case]
+    model = make()
+    x = torch.randn(BATCH, 16, dtype=torch.float64)
+    plan = optremat.price_regions(model, (x,), regions, loss_fn=loss_fn)
+    assert {(r.path, r.call) for r in plan.regions} == {(r.path, r.call) for r in regions}
+    optremat.apply(model, plan)
+    measured = measure_step(model, (x,), loss_fn).peak_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 64, (measured, plan.predicted_peak_bytes)
+
+
+def test_a_checkpointed_call_holds_the_rng_state_until_its_backward_is_done() -> None:
+    model = framed(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh()), Scale())
+    x = torch.randn(BATCH, 16, dtype=torch.float64)
+    plan = optremat.price_regions(model, (x,), (Region("1", 0),), loss_fn=loss_fn)
+    graph, schedule = plan.graph, plan.schedule
+    rng = DEVICES["cpu"].rng_state_bytes
+    assert rng == torch.get_rng_state().nbytes > 0
+    reruns = schedule.stage != schedule.node
+    assert set(schedule.held[reruns].tolist()) == {2 * rng}, "one stash from the forward, one while it reruns"
+    first_op = min(v for v in range(graph.n) if graph.module[v].startswith("1.") and graph.kind[v] == "op")
+    assert schedule.held[schedule.node == first_op].tolist() == [rng]
+    assert schedule.held[-1] == 0, "the stash is dropped once the call's autograd nodes are done"
+    assert optremat.simulate(graph, schedule).peak_bytes == plan.predicted_peak_bytes
+
+
+def test_python_holds_a_call_argument_until_the_call_returns() -> None:
+    model = framed(Unpacking())
+    x = torch.randn(BATCH, 16, dtype=torch.float64)
+    graph = optremat.extract(model, (x,), loss_fn)
+    index = {name: k for k, name in enumerate(graph.names)}
+    first_linear = index["addmm"]
+    last_of_call = max(k for k in range(graph.n) if graph.module[k].startswith("1") and not graph.backward[k]
+                       and graph.kind[k] == "op")
+    assert graph.lives_to[first_linear] == last_of_call, "Unpacking's argument lives until Unpacking returns"
+    halves = [index["tanh"], index["tanh_1"]]
+    assert graph.lives_to[halves].tolist() == [last_of_call] * 2, "the unpacked tuple lives until the caller returns"
+    again = optremat.Graph.from_json(graph.to_json())
+    assert again.lives_to.tolist() == graph.lives_to.tolist() and again.fingerprint == graph.fingerprint
