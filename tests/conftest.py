@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -8,6 +10,12 @@ settings.load_profile("optremat")
 """One profile for every property test: no per-example deadline (solvers and tracing
 vary with machine load), the same examples on every run (a run cannot flake on a new
 draw), and no health checks on the slow strategies that build graphs."""
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+"""Under pytest-xdist each worker process takes one core: two workers on two cores, not
+four threads contending for them."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
