@@ -36,23 +36,13 @@ from benchmarks.native import _time
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, under
 from optremat.core.graph import format_bytes
-from optremat.models import GPT
+from optremat.models import HiddenGPT
 from optremat.runtime.measure import measure_peak
 
 HEADER = ["method", "budget", "head", "module calls checkpointed", "predicted peak", "measured peak",
           "measured / predicted", "predicted overhead", "measured overhead (median)", "plan s"]
 SHAPE = dict(vocab=8192, seq=256, dim=256, layers=4, heads=4)
 BATCH = 4
-
-
-class HiddenGPT(GPT):
-    """`optremat.models.GPT` returning its final hidden states: the head runs in the loss."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.ln(x)
 
 
 def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

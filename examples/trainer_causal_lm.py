@@ -11,7 +11,7 @@ unplanned with the same seed, and the script checks that:
 - every optimizer step's loss equals the unplanned run's within 1e-5 (float32);
 - each bucket was planned once (the first batch's plan serves its own bucket);
 - at each bucket one planned training step, measured with the CPU profiler
-  (`optremat.runtime.measure.measure_peak`), peaks at most 2% over the bucket's budget.
+  (`optremat.runtime.measure.measure_step`), peaks at most 2% over the bucket's budget.
   The peak of a whole Trainer run is not compared with a budget: it also holds AdamW's
   state and the Trainer's own buffers, which a plan of one step does not price.
 
@@ -35,7 +35,7 @@ import transformers
 
 from optremat.core.graph import format_bytes
 from optremat.integrations.transformers import PlanCallback
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_step
 
 WORDS = 500
 BATCH = 4
@@ -162,14 +162,7 @@ def measured_peak(model: torch.nn.Module, shape: tuple[int, ...], vocab_size: in
     before its backward, so its steps peak lower)."""
     ids = torch.randint(2, vocab_size, shape)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step() -> tuple[torch.Tensor, ...]:
-        out = model(**batch)
-        return torch.autograd.grad(out.loss, params)
-
-    step()
-    return measure_peak(step, resident=[params, list(model.buffers()), list(batch.values())]).peak_bytes
+    return measure_step(model, batch).peak_bytes
 
 
 def run(steps: int, smoke: bool, time_limit: float) -> Report:

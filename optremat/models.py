@@ -9,11 +9,10 @@ and a loss over the model's output, so a training step is `loss_fn(model(*inputs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -93,11 +92,23 @@ class GPT(nn.Module):
         self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden_states(idx))
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final hidden states, before the LM head."""
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        return self.ln(x)
+
+
+class HiddenGPT(GPT):
+    """`GPT` returning its final hidden states: the LM head runs in the loss
+    (`optremat.CausalLMLoss(model.head, labels)`), as a chunked head and loss need."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.hidden_states(idx)
 
 
 class BasicBlock(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import optremat
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,19 +71,6 @@ def own_loss_step(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torc
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def measured_peak(model: nn.Module, batch: Batch) -> int:
-    """Peak bytes of a training step holding the model's output through the backward, as
-    plans price it (`out = model(**batch); out.loss.backward()`)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step() -> tuple[torch.Tensor, ...]:
-        out = model(**batch)
-        return torch.autograd.grad(out.loss, params)
-
-    step()
-    return measure_peak(step, resident=[params, list(model.buffers()), list(batch.values())]).peak_bytes
-
-
 def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float) -> None:
     """Plan the family at `budget` and apply it: loss and gradients equal the unplanned
     step's bitwise; the planned step's measured peak is within 5% of the prediction and at
@@ -103,7 +90,7 @@ def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], bu
     assert got[1].keys() == want[1].keys()
     for name, grad in want[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
-    measured = measured_peak(model, batch)
+    measured = measure_step(model, batch).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
     assert measured <= 1.02 * plan.budget_bytes, (measured, plan.summary())
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 import optremat
 from optremat.core.schedule import keep_all, simulate
 from optremat.core.solution import OPTIMAL
-from optremat.models import GPT
+from optremat.models import HiddenGPT
 from optremat.planners.regions import Region
 from optremat.planning import chunking
 from optremat.runtime.measure import measure_step
@@ -147,16 +147,6 @@ def test_the_unplanned_step_is_priced_as_measured(chunks: int | None, options: d
     graph = extract(model, (x,), loss)
     predicted = simulate(graph, keep_all(graph)).peak_bytes
     assert abs(measure_step(model, (x,), loss).peak_bytes / predicted - 1) < 0.05
-
-
-class HiddenGPT(GPT):
-    """models.GPT returning its final hidden states: the head runs in the loss."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.ln(x)
 
 
 @pytest.fixture(scope="module")

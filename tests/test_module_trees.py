@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import optremat
+from tests.blocks import Twice
 
 Loss = Callable[[Any], torch.Tensor]
 
@@ -33,17 +34,6 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.block(x)
-
-
-class Twice(nn.Module):
-    """Calls one block twice in its forward."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(self.block(x))
 
 
 class Loop(nn.Module):

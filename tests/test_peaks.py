@@ -16,6 +16,7 @@ import optremat
 from optremat.planners.regions import Region
 from optremat.runtime.measure import measure_step
 from optremat.tracing.costs import DEVICES
+from tests.blocks import Twice
 
 WIDTH, BATCH = 32, 96
 
@@ -52,17 +53,6 @@ class Unpacking(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.inner(x)
         return a * 0.5 + b
-
-
-class Twice(nn.Module):
-    """Calls a block on its own output: the first result is held through the second call."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(self.block(x))
 
 
 def framed(*blocks: nn.Module) -> nn.Module:

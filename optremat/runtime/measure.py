@@ -16,6 +16,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_leaves
 
+from optremat.tracing.inputs import call_of, own_loss
 
 _STEP = "optremat.measured_step"
 
@@ -98,19 +99,26 @@ def _window_peak(roots: list[Any]) -> int:
     return peak
 
 
-def measure_step(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor],
+def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  device: str = "cpu") -> PeakMemory:
-    """Peak memory of one eager forward+backward of `loss_fn(model(*inputs))`, after a warm-up.
+    """Peak memory of one eager forward+backward, after a warm-up: `model` called on
+    `example_inputs` as `optremat.plan` calls it (a dict as `model(**batch)`, a tuple as
+    `model(*args)`), the loss `loss_fn(out)` or, without one, the loss its output carries
+    (`outputs.loss`, as a transformers model given `labels` returns it).
 
     Parameters, buffers and inputs count as resident; gradients are returned, not
     accumulated, so repeated calls measure the same step. The model's output is held
     through the backward, as a training loop holding `out = model(x)` holds it.
     """
+    args, kwargs = call_of(example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> tuple[torch.Tensor, ...]:
-        out = model(*inputs)
-        return torch.autograd.grad(loss_fn(out), params, allow_unused=True)
+        out = model(*args, **kwargs)
+        loss = loss_fn(out) if loss_fn is not None else own_loss(out)
+        if loss is None:
+            raise ValueError("the model's output carries no loss (no `loss` field): pass loss_fn")
+        return torch.autograd.grad(loss, params, allow_unused=True)
 
     step()
-    return measure_peak(step, resident=[list(model.parameters()), list(model.buffers()), inputs], device=device)
+    return measure_peak(step, resident=[list(model.parameters()), list(model.buffers()), args, kwargs], device=device)
