@@ -7,12 +7,19 @@ import pickle
 import socket
 import sys
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+"""How long a rank waits in one collective before failing: a local job whose ranks stop
+meeting (gloo was seen to stall once in an FSDP2 gather under load) fails with an error
+instead of hanging."""
 
 
 def run_local(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
@@ -30,7 +37,7 @@ def _rank(rank: int, world: int, port: int, backend: str, directory: str, fn: Ca
           args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
         result = fn(*args)
         (Path(directory) / f"{rank}.pickle").write_bytes(pickle.dumps(result))
