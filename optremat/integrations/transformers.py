@@ -30,14 +30,17 @@ class PlanCallback(TrainerCallback):
     the numbers it would draw without the callback. `plan` is the plan applied, once made;
     `replanning` is the `optremat.Replanning` it runs under: `replanning.plans` holds the
     plan of each input shape training has stepped on (the first batch's `plan` among
-    them), and `replanning.planning_seconds` the time spent planning after the first."""
+    them), and `replanning.planning_seconds` the time spent planning after the first.
+    `time_limit` and `deterministic` are `optremat.plan`'s: with `deterministic=True` the
+    limit is the solver's deterministic time, so the plans do not depend on machine load."""
 
     def __init__(self, budget: int | float | str, *, cache: str | Path | None = None, solver: str = "auto",
-                 time_limit: float = 30.0) -> None:
+                 time_limit: float = 30.0, deterministic: bool = False) -> None:
         self.budget = budget
         self.cache = cache
         self.solver = solver
         self.time_limit = time_limit
+        self.deterministic = deterministic
         self.plan: Plan | None = None
         self.replanning: Replanning | None = None
 
@@ -56,11 +59,12 @@ class PlanCallback(TrainerCallback):
             model.train()
             try:
                 self.plan = make_plan(model, batch, self.budget, cache=self.cache, solver=self.solver,
-                                      time_limit=self.time_limit)
+                                      time_limit=self.time_limit, deterministic=self.deterministic)
             finally:
                 model.train(training)
         log.info("optremat: %s", self.plan.summary().replace("\n", "; "))
-        self.replanning = Replanning(self.budget, cache=self.cache, solver=self.solver, time_limit=self.time_limit)
+        self.replanning = Replanning(self.budget, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
+                                     deterministic=self.deterministic)
         apply(model, self.plan, replan=self.replanning)
 
 

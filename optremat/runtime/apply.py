@@ -51,6 +51,7 @@ class Replanning:
     cache: str | Path | None = None
     solver: str = "auto"
     time_limit: float = 30.0
+    deterministic: bool = False
     plans: dict[tuple[str, ...], Plan] = field(default_factory=dict)
     planning_seconds: float = 0.0
 
@@ -79,6 +80,7 @@ class Replanning:
         if applied.chunking is not None and isinstance(loss_fn, CausalLMLoss) and loss_fn.chunks == AUTO:
             loss_fn = loss_fn.with_chunks(applied.chunking.chunks)  # the head runs as the applied plan says
         options = dict(loss_fn=loss_fn, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
+                       deterministic=self.deterministic,
                        cost_model=applied.cost_model, device=applied.device)
         started = time.perf_counter()
         try:
