@@ -142,6 +142,13 @@ class RegionModel:
                 and all(any(values[self.r(o, c.index)[0]] for o in self.read_back(c))
                         for c in self.calls if c.index in on))
 
+    def regions(self, values: Mapping[Atom, bool]) -> tuple[Region, ...]:
+        """The regions the plan `values` describes: each checkpointed call, keyed with the
+        ops its policy saves."""
+        return tuple(Region(c.call[0], c.call[1], frozenset(self.rmap.keys(c.call)[o] for o in self.saveable[c.index]
+                                                            if values[self.s(o, c.index)[0]]))
+                     for c in self.calls if values[self.x(c.index)[0]])
+
     def chosen(self, values: Mapping[Atom, bool]) -> tuple[Call, ...]:
         """The calls the plan `values` describes checkpoints, in candidate order."""
         return tuple(c.call for c in self.calls if values[self.x(c.index)[0]])

@@ -22,7 +22,9 @@ from optremat.core.schedule import keep_all, kept_for_backward, simulate
 from optremat.core.sharding import FSDP, Parallel, per_rank, unit_of
 from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
 from optremat.ilp.bounds import solver_floor
+from optremat.ilp.composed import Composed, solve_chain
 from optremat.ilp.region_cpsat import least_peak, solve_regions
+from optremat.planners.chain import chain_of
 from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.planners.solve import solve
 from optremat.planning.result import Plan, loss_note
@@ -31,6 +33,12 @@ from optremat.tracing.extract import DefaultLoss, Traced, trace
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
+COMPOSED_BLOCKS = 16
+"""Blocks from which a composed plan within COMPOSED_GAP of its bound is the plan: the
+search over every region set is left out (it proves nothing in minutes at 32 Llama-7B
+blocks). Shorter chains still feed the composed plan to that search."""
+COMPOSED_GAP = 0.01
+"""How far above its bound (in the step's cost) a composed plan may be and stand."""
 ROUNDING = 1e-6
 """Overhead by which a plan may exceed its bound and still be proven optimal: the exact
 search rounds each op's cost down to a 1e-10 part of the step's."""
@@ -47,8 +55,15 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     memory bound of the step's own graph stands in. OPTIMAL when the plan meets it."""
     graph = rmap.graph
     total = graph.total_cost
+    composed = _composed(rmap, budget_bytes, time_limit, workers, seed, deterministic)
+    if composed is not None and composed[1]:
+        if progress is not None:
+            progress(time.perf_counter() - started, composed[0].priced.cost, composed[0].bound)
+        return _plan_of(rmap, composed[0].priced, budget_bytes, composed[2], composed[0].bound, started)
     kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, time_limit, workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
+    if composed is not None and composed[0].priced is not None:
+        candidates.append(composed[0].priced)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
@@ -73,6 +88,37 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
                 status=OPTIMAL if best.overhead <= lower_bound + ROUNDING else FEASIBLE, lower_bound=lower_bound,
                 solve_seconds=time.perf_counter() - started,
                 solver_overhead=coarse_solution.cost / total - 1 if coarse else best.overhead)
+
+
+def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: int, seed: int,
+              deterministic: bool) -> tuple[Composed, bool, str] | None:
+    """The chain of identical blocks solved once per block and composed (`solve_chain`):
+    the result, whether it stands as the plan (a chain of at least COMPOSED_BLOCKS blocks
+    whose plan is within COMPOSED_GAP of its bound) and the solver's name; None when the
+    step has no such chain."""
+    chain = chain_of(rmap, least=3)
+    if chain is None:
+        return None
+    composed = solve_chain(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic)
+    if composed is None:
+        return None
+    name = (f"composed ({len(chain.blocks)} blocks like {chain.blocks[0][0]!r}; bound over plans of regions "
+            "inside them)")
+    stands = (len(chain.blocks) >= COMPOSED_BLOCKS and composed.priced is not None
+              and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP))
+    return composed, stands, name
+
+
+def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, bound: float, started: float) -> Plan:
+    """The plan of `best`, OPTIMAL when it meets `bound` (seconds)."""
+    graph = rmap.graph
+    lower_bound = bound / graph.total_cost - 1
+    return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
+                budget_bytes=budget_bytes, predicted_peak_bytes=best.result.peak_bytes,
+                baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
+                predicted_overhead=best.overhead, solver=solver,
+                status=OPTIMAL if best.overhead <= lower_bound + ROUNDING else FEASIBLE, lower_bound=lower_bound,
+                solve_seconds=time.perf_counter() - started, solver_overhead=best.overhead)
 
 
 def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], solver: str, time_limit: float,

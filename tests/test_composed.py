@@ -1,0 +1,93 @@
+"""Plans of a chain of identical blocks solved once per block and composed
+(`optremat.ilp.composed`): on Llamas from transformers configs, small enough for the
+search over every plan of regions inside the blocks to prove its optimum, the composed
+plan is that optimum (same cost, same simulated peak) and its bound never exceeds it; a
+long chain is planned by composition alone, and the plan trains as the model does (slow:
+16 blocks, planned and trained)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import optremat
+from optremat.core.schedule import keep_all, simulate
+from optremat.ilp.composed import solve_chain
+from optremat.ilp.region_cpsat import solve_regions
+from optremat.planners.chain import BACKWARD, FORWARD, MIDDLE, chain_of
+from optremat.planning.native import region_map
+from optremat.tracing.extract import trace
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama(layers: int, sequence: int = 64, width: int = 64) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+                                      max_position_embeddings=sequence, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, sequence))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def four_blocks():
+    model, batch = llama(4)
+    rmap = region_map(trace(model, batch, None), model, "cpu")
+    return rmap, chain_of(rmap, least=3)
+
+
+def test_the_decoder_layers_are_the_chain(four_blocks) -> None:
+    rmap, chain = four_blocks
+    assert [path for path, _ in chain.blocks] == [f"model.layers.{k}" for k in range(4)]
+    kinds = [(s.kind, s.block) for s in chain.segments if s.kind in (FORWARD, BACKWARD, MIDDLE)]
+    assert kinds == [(FORWARD, k) for k in range(4)] + [(MIDDLE, -1)] + [(BACKWARD, k) for k in (3, 2, 1, 0)]
+    assert all(len(inner) == len(chain.inner[0]) for inner in chain.inner)
+    assert chain.moved(((optremat.Region("model.layers.2.mlp", 0)),), 2, 0) == (optremat.Region("model.layers.0.mlp", 0),)
+
+
+@pytest.mark.parametrize("fraction", [0.85, 0.75])
+def test_composition_meets_the_search_over_every_plan_inside_the_blocks(four_blocks, fraction: float) -> None:
+    rmap, chain = four_blocks
+    budget = int(fraction * simulate(rmap.graph, keep_all(rmap.graph)).peak_bytes)
+    composed = solve_chain(chain, budget, 10, deterministic=True)
+    exact = solve_regions(rmap, [call for inner in chain.inner for call in inner], budget, 30, deterministic=True)
+    assert exact.optimal
+    assert composed.bound <= exact.priced.cost * (1 + 1e-9)
+    assert composed.priced.cost == pytest.approx(exact.priced.cost, rel=1e-9)
+    assert composed.priced.result.peak_bytes == exact.priced.result.peak_bytes <= budget
+
+
+def test_a_budget_no_plan_fits_composes_nothing_and_bounds_at_infinity(four_blocks) -> None:
+    rmap, chain = four_blocks
+    composed = solve_chain(chain, int(rmap.graph.size[rmap.graph.pinned].sum()), 10, deterministic=True)
+    assert composed.priced is None
+    assert composed.bound == float("inf")
+
+
+def test_no_chain_in_a_model_without_repeated_blocks() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    rmap = region_map(trace(model, torch.randn(4, 8), None), model, "cpu")
+    assert chain_of(rmap, least=3) is None
+
+
+@pytest.mark.slow
+def test_a_long_chain_is_planned_by_composition_and_trains_as_the_model_does() -> None:
+    model, batch = llama(16, sequence=128, width=256)
+    planned = optremat.plan(model, batch, 0.8, deterministic=True, time_limit=10)
+    assert planned.solver.startswith("composed (16 blocks")
+    assert planned.predicted_peak_bytes <= planned.budget_bytes
+    assert planned.lower_bound <= planned.predicted_overhead <= planned.lower_bound * 1.01 + 0.01
+    assert planned.regions
+    reference = copy.deepcopy(model)
+    optremat.apply(model, planned)
+    loss = model(**batch).loss
+    loss.backward()
+    expected = reference(**batch).loss
+    expected.backward()
+    assert torch.equal(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
