@@ -106,38 +106,3 @@ def test_an_input_the_tracer_cannot_take_names_the_argument() -> None:
     model, batch = gpt2()
     with pytest.raises(optremat.ExtractionError, match="example input tokenizer is a Tokenizer"):
         optremat.plan(model, {**batch, "tokenizer": Tokenizer()}, 0.7, time_limit=5)
-
-
-def moe(kind: str, dtype: torch.dtype) -> nn.Module:
-    """A mixture-of-experts causal LM from its transformers config (4 experts, top 2)."""
-    torch.manual_seed(0)
-    shape = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 num_experts_per_tok=2, max_position_embeddings=256, use_cache=False)
-    if kind == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=128, num_local_experts=4,
-                                                                          **shape))
-    else:
-        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-            intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
-            **shape))
-    return model.to(dtype).train()
-
-
-@pytest.mark.parametrize("kind,dtype", [
-    ("mixtral", torch.float32), pytest.param("qwen2-moe", torch.bfloat16, marks=pytest.mark.slow),
-    pytest.param("mixtral", torch.bfloat16, marks=pytest.mark.slow),
-    pytest.param("qwen2-moe", torch.float32, marks=pytest.mark.slow)])
-def test_mixture_of_experts_models_plan_in_any_float_dtype_with_exact_gradients(kind: str, dtype: torch.dtype) -> None:
-    model = moe(kind, dtype)
-    ids = torch.randint(0, 1000, (2, 256))
-    batch = {"input_ids": ids, "labels": ids}
-    plan = planned_step_is_exact(model, batch)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step() -> tuple:
-        out = model(**batch)
-        return torch.autograd.grad(out.loss, params)
-
-    step()
-    measured = measure_peak(step, resident=[params, list(model.buffers()), ids]).peak_bytes
-    assert 0.85 * plan.predicted_peak_bytes <= measured <= plan.budget_bytes

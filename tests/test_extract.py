@@ -378,3 +378,24 @@ def test_the_assumed_loss_prices_a_causal_lm_loss_written_after_the_model():
     scores = torch.empty(64, 10, requires_grad=True)
     plain = output_loss_bytes(scores, lambda out: F.cross_entropy(out, torch.zeros(64, dtype=torch.long)))
     assert output_loss_bytes(scores, assumed_loss) == plain
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_transformers_decoder_is_traced_on_the_attention_mask_branch_eager_takes(padded):
+    """transformers builds a causal mask only for a batch with padding (without, its
+    attention runs with `is_causal`), and decides by reading values no tracer can read:
+    the trace builds the mask exactly when eager does, and predicts the unplanned peak."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 1000, (2, 256))
+    mask = torch.ones_like(ids)
+    mask[1, :16] = 0 if padded else 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    g = extract(model, batch, lambda out: out.loss)
+    assert any(t.startswith("bool[2, 1, 256, 256]") for t in g.tensor) == padded
+    predicted = simulate(g, keep_all(g)).peak_bytes
+    assert abs(measure_step(model, batch).peak_bytes - predicted) <= 0.005 * predicted

@@ -1,9 +1,10 @@
 """Model families nobody tuned for, from small transformers configs: an encoder-decoder
-(T5), an encoder (BERT classifying sequences), a vision transformer (ViT) and convnets
-(ResNet, ConvNeXt), each planned on a dict batch with labels (the model's own loss),
-applied, and checked against the unplanned model: the same loss and gradients, bitwise,
-and a measured peak within 5% of the prediction and at most 2% over the budget. Decoder
-LMs and mixtures of experts are tested in test_third_party.py and test_batches.py."""
+(T5), an encoder (BERT classifying sequences), a vision transformer (ViT), convnets
+(ResNet, ConvNeXt) and mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, in float32 and
+bfloat16), each planned on a dict batch with labels (the model's own loss), applied, and
+checked against the unplanned model: the same loss and gradients, bitwise, and a measured
+peak within 5% of the prediction and at most 2% over the budget. Decoder LMs are tested
+in test_third_party.py and test_batches.py."""
 
 from __future__ import annotations
 
@@ -61,6 +62,31 @@ def convnext() -> tuple[nn.Module, Batch]:
                                                                  "labels": torch.randint(0, 10, (16,))}
 
 
+def mixture_of_experts(kind: str, dtype: torch.dtype) -> Callable[[], tuple[nn.Module, Batch]]:
+    """A causal LM whose MLPs are 4 experts, 2 routed per token, in `dtype`, with transformers'
+    default experts implementation (grouped_mm): its routed rows are priced as
+    tokens × top-k, however the router spreads them."""
+
+    def build() -> tuple[nn.Module, Batch]:
+        shape = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256, use_cache=False)
+        if kind == "mixtral":
+            config = transformers.MixtralConfig(intermediate_size=128, num_local_experts=4, **shape)
+            model = transformers.MixtralForCausalLM(config)
+        elif kind == "qwen2-moe":
+            config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                                 shared_expert_intermediate_size=128, num_experts=4, **shape)
+            model = transformers.Qwen2MoeForCausalLM(config)
+        else:
+            config = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+                                                 head_dim=16, **shape)
+            model = transformers.Qwen3MoeForCausalLM(config)
+        ids = torch.randint(0, 1000, (2, 256))
+        return model.to(dtype), {"input_ids": ids, "labels": ids}
+
+    return build
+
+
 def own_loss_step(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
     """A step as a Trainer takes it: the model's own loss from `labels`, dropout seeded."""
     for p in model.parameters():
@@ -115,3 +141,13 @@ def test_a_resnet_plans_exactly_within_its_budget() -> None:
 
 def test_a_convnext_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(convnext, 0.8)
+
+
+@pytest.mark.parametrize("kind,dtype", [
+    pytest.param(kind, dtype, id=f"{kind}-{str(dtype).removeprefix('torch.')}",
+                 marks=[pytest.mark.slow] if slow else [])
+    for kind, dtype, slow in [("mixtral", torch.float32, False), ("qwen2-moe", torch.bfloat16, False),
+                              ("mixtral", torch.bfloat16, True), ("qwen2-moe", torch.float32, True),
+                              ("qwen3-moe", torch.float32, True), ("qwen3-moe", torch.bfloat16, True)]])
+def test_a_mixture_of_experts_plans_exactly_within_its_budget(kind: str, dtype: torch.dtype) -> None:
+    plans_exactly_within_budget(mixture_of_experts(kind, dtype), 0.7)

@@ -1,14 +1,22 @@
-"""optremat where users turn checkpointing on today: transformers' Trainer."""
+"""optremat where users turn checkpointing on today: transformers' Trainer, and
+accelerate's FSDP2 plugin."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from optremat.integrations.transformers import PlanCallback  # noqa: E402 - after the skips
+from optremat.distributed import run_local  # noqa: E402 - after the skips
+from optremat.distributed.trial import rank_peak, whole_gradients  # noqa: E402
+from optremat.integrations.accelerate import Prepare  # noqa: E402
+from optremat.integrations.transformers import PlanCallback  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -55,3 +63,80 @@ def test_the_trainer_callback_plans_on_the_first_batch_and_trains_the_same(tmp_p
 def test_the_callback_refuses_a_model_with_transformers_own_checkpointing(tmp_path) -> None:
     with pytest.raises(ValueError, match="own activation checkpointing"):
         train(tmp_path, [PlanCallback(0.7, time_limit=5)], checkpointing=True)
+
+
+def refusal(accelerator: object) -> str:
+    """What `Prepare` says when it refuses `accelerator`, before planning anything."""
+    try:
+        Prepare(0.8)(accelerator, torch.nn.Linear(4, 4), batch=torch.ones(4))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def fsdp2_rank(budget: float) -> dict:
+    """One rank of two stepping a Llama (untied embeddings) that accelerate's FSDP2 plugin
+    shards, once as accelerate prepares it and once prepared under optremat's plan (made
+    on the first batch of the DataLoader prepared with it): the losses, rank 0's whole
+    gradients, the plan, this rank's measured peak, and what `Prepare` said refusing the
+    Accelerator before it ran FSDP2 and with the plugin's own checkpointing on.
+    accelerate turns FSDP on only on accelerators (on CPUs its Accelerator runs DDP), so
+    the distributed type is set to FSDP by hand: its FSDP2 preparation then runs on gloo."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    out = {"refused": [refusal(accelerator)]}
+    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    plugin.activation_checkpointing = True
+    out["refused"].append(refusal(accelerator))
+    plugin.activation_checkpointing = False
+    ids = torch.randint(0, 2000, (2, 128), generator=torch.Generator().manual_seed(rank))
+    batch = {"input_ids": ids, "labels": ids}
+    for name in ("plain", "planned"):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                          use_cache=False)
+        model = transformers.LlamaForCausalLM(config).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if name == "plain":
+            model, optimizer = accelerator.prepare(model, optimizer)
+        else:
+            prepare = Prepare(budget, time_limit=5, deterministic=True)
+            loader = torch.utils.data.DataLoader(Tokens(8, 128), batch_size=2)
+            model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
+
+        def step() -> torch.Tensor:
+            model.zero_grad(set_to_none=True)
+            outputs = model(**batch)
+            accelerator.backward(outputs.loss)
+            return outputs.loss
+
+        out[name] = {"loss": step().item(), "gradients": whole_gradients(model)}
+        if name == "planned":
+            out.update(plan=prepare.plan, peak=rank_peak(model, model, batch, step))
+    return out
+
+
+def test_accelerate_fsdp2_prepares_a_planned_model_that_trains_the_same() -> None:
+    ranks = run_local(fsdp2_rank, 2, 0.8)
+    without_fsdp2, checkpointing = ranks[0]["refused"]
+    assert "FullyShardedDataParallelPlugin(fsdp_version=2)" in without_fsdp2
+    assert "without activation_checkpointing=True" in checkpointing
+    plans = [rank["plan"] for rank in ranks]
+    assert plans[0].regions and plans[0].regions == plans[1].regions
+    assert plans[0].parallel.groups == (("model.norm", "lm_head"),)
+    assert plans[0].parallel.units == ("model.layers.0", "model.layers.1", "model.layers.2", "model.embed_tokens")
+    for rank in ranks:
+        assert rank["planned"]["loss"] == rank["plain"]["loss"]
+        plan, measured = rank["plan"], rank["peak"]
+        assert measured <= 1.02 * plan.budget_bytes, (measured, plan.summary())
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
+    for name, grad in ranks[0]["plain"]["gradients"].items():
+        np.testing.assert_array_equal(ranks[0]["planned"]["gradients"][name], grad, err_msg=name)

@@ -189,6 +189,10 @@ def test_a_parallel_job_round_trips(saved, tmp_path) -> None:
     loaded = optremat.Plan.load(write(tmp_path / "plan.json", resigned({**data, "parallel": fsdp})))
     assert loaded.parallel == optremat.FSDP(units=("layers.*",), world=8, reshard_after_forward=False,
                                             optimizer_state=2.0)
+    grouped = {**fsdp, "groups": [["norm", "lm_head"]]}
+    loaded = optremat.Plan.load(write(tmp_path / "grouped.json", resigned({**data, "parallel": grouped})))
+    assert loaded.parallel.groups == (("norm", "lm_head"),)
+    assert optremat.Plan.from_json(loaded.to_json()).parallel == loaded.parallel
 
 
 def test_save_to_a_missing_directory_or_over_a_directory_names_the_path_and_leaves_nothing(saved, tmp_path) -> None:

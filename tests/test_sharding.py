@@ -100,6 +100,26 @@ def test_a_unit_holds_its_gathered_parameters_only_while_it_runs() -> None:
     assert resharded.held[inside[1:]].min() >= resharded.held[loss] + block
 
 
+def test_a_group_of_modules_is_one_unit_gathered_from_its_forward_through_its_backward() -> None:
+    """gpt-mini's final norm and head sharded together (its head's weight is the token
+    embedding's, which stays the root's): while block 0 runs, the group's parameters are
+    not gathered, where the root's would be; at the loss both hold them."""
+    step, example = traced("gpt-mini")
+    graph = step.graph
+    tail = sum(p.numel() * p.element_size() for name, p in example.model.named_parameters()
+               if name.startswith(("ln.", "head.")))
+    rooted = rank_of("gpt-mini", FSDP(units=("blocks.*",), world=2))
+    grouped = rank_of("gpt-mini", FSDP(units=("blocks.*",), world=2, groups=(("ln", "head"),)))
+    units = unit_of(graph, ("blocks.*",), (("ln", "head"),))
+    by_module = {module: int(unit) for module, unit in zip(graph.module, units)}
+    assert by_module["ln"] == by_module["head"] not in {by_module[""], by_module["blocks.0"], by_module["blocks.3"]}
+    forward = ~graph.backward & ~graph.pinned
+    loss = int(np.nonzero(forward)[0][-1])
+    inside = np.nonzero(forward & (units == by_module["blocks.0"]))[0]
+    assert tail > 0 and set((rooted.held - grouped.held)[inside[1:]].tolist()) == {tail}
+    assert rooted.held[loss] == grouped.held[loss]
+
+
 def test_units_match_one_path_component_per_star_and_the_innermost_wins() -> None:
     graph = Graph.build(cost=[1] * 5, size=[1] * 5, edges=[],
                         module=["tok", "blocks.0.attn.qkv", "blocks.0.mlp.0", "blocks.1", "blocks"])

@@ -3,14 +3,16 @@
 The budget of a data-parallel job is per rank, and a rank holds more than its share of
 the model's tensors: `per_rank` rewrites a traced step so that `simulate` prices one rank.
 
-FSDP2, with `fully_shard` applied to each module of `units` and then to the model (the
-root, whose parameters stay gathered from its forward to the end of its backward):
+FSDP2, with `fully_shard` applied to each module of `units`, to each of `groups` (modules
+sharded together as one unit, as accelerate shards a model's final norm and LM head) and
+then to the model (the root, whose parameters stay gathered from its forward to the end
+of its backward):
 
 - each parameter keeps its shard: dim 0 cut in `world` rows of ceil(dim0 / world), so
   every rank holds the padded shard; buffers are not sharded;
 - a unit's gathered parameters are held from its first forward op to its last (or,
-  without `reshard_after_forward`, to the end of its backward), and again in the
-  backward from the moment the unit after it in forward order starts its backward (FSDP2
+  without `reshard_after_forward`, and always for a group, to the end of its backward),
+  and again in the backward from the moment the unit after it in forward order starts its backward (FSDP2
   prefetches one unit ahead; the root starts when the first backward op inside the model
   runs, after the loss's backward) to the unit's last backward op; gathering needs a flat
   buffer of the padded size beside them;
@@ -41,17 +43,21 @@ from optremat.core.graph import Graph
 @dataclass(frozen=True)
 class FSDP:
     """FSDP2: `fully_shard` on each module matching `units` (module paths; `*` matches one
-    path component, as in "layers.*"), then on the model, over `world` ranks (0: the
+    path component, as in "layers.*"), on each of `groups` (the modules matching its
+    paths taken together as one unit, `fully_shard([norm, lm_head])`, kept gathered from
+    its forward through its backward), then on the model, over `world` ranks (0: the
     size of the process group the plan is made in)."""
 
     units: tuple[str, ...] = ()
     world: int = 0
     reshard_after_forward: bool = True
     optimizer_state: float = 0.0
+    groups: tuple[tuple[str, ...], ...] = ()
 
     def describe(self) -> str:
         units = ",".join(self.units) or "the model only"
-        return (f"FSDP2 over {self.world} ranks, units {units}, reshard after forward "
+        groups = "".join(f", group {'+'.join(group)}" for group in self.groups)
+        return (f"FSDP2 over {self.world} ranks, units {units}{groups}, reshard after forward "
                 f"{'on' if self.reshard_after_forward else 'off'}, optimizer state x{self.optimizer_state:g}")
 
 
@@ -93,22 +99,34 @@ def matcher(units: Sequence[str]) -> Callable[[str], bool]:
     return lambda path: any(p.match(path) for p in patterns)
 
 
-def unit_of(graph: Graph, units: Sequence[str]) -> np.ndarray:
+def unit_of(graph: Graph, units: Sequence[str], groups: Sequence[Sequence[str]] = ()) -> np.ndarray:
     """Per node, the FSDP unit that runs it: ROOT (0) for the root, else 1 + the index (in order
-    of first appearance) of the innermost module matching a pattern of `units` among the
-    node's module and the modules enclosing it."""
+    of first appearance) of the innermost module matching a pattern of `units` or of one
+    of `groups` (all of a group's modules are one unit) among the node's module and the
+    modules enclosing it."""
+    return _units(graph, units, groups)[0]
+
+
+def _units(graph: Graph, units: Sequence[str], groups: Sequence[Sequence[str]]) -> tuple[np.ndarray, set[int]]:
+    """`unit_of`, and which of its units are groups."""
     is_unit = matcher(units)
+    in_group = [matcher(group) for group in groups]
+
+    def unit_key(path: str) -> str | None:
+        if is_unit(path):
+            return path
+        return next((f"group {k}" for k, member in enumerate(in_group) if member(path)), None)
+
     ids: dict[str, int] = {"": 0}
     found: dict[str, int] = {}
     out = np.empty(graph.n, dtype=np.int64)
     for i, module in enumerate(graph.module):
         if module not in found:
             parts = module.split(".") if module else []
-            path = next((prefix for prefix in (".".join(parts[:d]) for d in range(len(parts), 0, -1))
-                         if is_unit(prefix)), "")
-            found[module] = ids.setdefault(path, len(ids))
+            key = next((k for k in (unit_key(".".join(parts[:d])) for d in range(len(parts), 0, -1)) if k), "")
+            found[module] = ids.setdefault(key, len(ids))
         out[i] = found[module]
-    return out
+    return out, {unit for key, unit in ids.items() if key.startswith("group ")}
 
 
 def shard_bytes(graph: Graph, node: int, world: int) -> int:
@@ -123,7 +141,7 @@ def shard_bytes(graph: Graph, node: int, world: int) -> int:
 
 def _fsdp(graph: Graph, parameters: Sequence[tuple[int, int]], parallel: FSDP) -> Graph:
     n = graph.n
-    unit = unit_of(graph, parallel.units)
+    unit, grouped = _units(graph, parallel.units, parallel.groups)
     stages = np.arange(n)
     ops = ~graph.pinned
     forward_of = {u: stages[ops & ~graph.backward & (unit == u)] for u in set(unit[ops].tolist())}
@@ -149,9 +167,10 @@ def _fsdp(graph: Graph, parameters: Sequence[tuple[int, int]], parallel: FSDP) -
         f0, f1 = int(forward_of[u][0]), int(forward_of[u][-1])
         b0 = root_backward if after == ROOT else _first(backward_of.get(after), root_backward)
         b1 = _last(backward_of.get(u), b0)
-        held[f0:(f1 if parallel.reshard_after_forward else b1) + 1] += gathered[u]
+        reshard = parallel.reshard_after_forward and u not in grouped
+        held[f0:(f1 if reshard else b1) + 1] += gathered[u]
         held[f0] += flat[u]
-        if parallel.reshard_after_forward:
+        if reshard:
             held[b0:b1 + 1] += gathered[u]
             held[b0] += flat[u]
     _reduce_scatter_inputs(held, [(reduced.get(u, n - 1), int(flat[u])) for u in order + [ROOT]])

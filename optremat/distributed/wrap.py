@@ -13,22 +13,31 @@ from optremat.core.sharding import FSDP, Parallel, matcher
 
 
 def wrap(model: nn.Module, parallel: Parallel, **kwargs: Any) -> nn.Module:
-    """FSDP: `fully_shard` on every module matching `parallel.units` (inner modules first)
-    and then on `model`, which is returned; DDP: `model` in DistributedDataParallel. Apply
-    the plan first (`optremat.apply`), as torchtitan orders activation checkpointing before
-    `fully_shard`; `kwargs` go to `fully_shard` or DDP."""
+    """FSDP: `fully_shard` on every module matching `parallel.units` (inner modules first),
+    on the modules of each of `parallel.groups` together (kept gathered through the
+    backward), and then on `model`, which is returned; DDP: `model` in
+    DistributedDataParallel. Apply the plan first (`optremat.apply`), as torchtitan orders
+    activation checkpointing before `fully_shard`; `kwargs` go to `fully_shard` or DDP."""
     if isinstance(parallel, FSDP):
-        is_unit = matcher(parallel.units)
-        units = [module for path, module in model.named_modules() if path and is_unit(path)]
-        if parallel.units and not units:
-            raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {parallel.units}")
+        units = _matching(model, parallel.units)
         for module in reversed(units):
             fully_shard(module, reshard_after_forward=parallel.reshard_after_forward, **kwargs)
+        for group in parallel.groups:
+            fully_shard(_matching(model, group), **{**kwargs, "reshard_after_forward": False})
         fully_shard(model, **kwargs)
         return model
     if kwargs.get("gradient_as_bucket_view"):
         raise ValueError("the plan prices DDP's buckets as a copy of the gradients: leave gradient_as_bucket_view off")
     return DistributedDataParallel(model, **kwargs)
+
+
+def _matching(model: nn.Module, patterns: tuple[str, ...]) -> list[nn.Module]:
+    """The modules of `model` whose paths match `patterns` (none for none)."""
+    is_unit = matcher(patterns)
+    found = [module for path, module in model.named_modules() if path and is_unit(path)]
+    if patterns and not found:
+        raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {patterns}")
+    return found
 
 
 def held_by_rank(model: nn.Module, wrapped: nn.Module, *more: Iterable[torch.Tensor]) -> list[torch.Tensor]:

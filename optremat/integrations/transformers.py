@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime.apply import Replanning, apply
+from optremat.tracing.inputs import batch_on
 
 log = logging.getLogger("optremat")
 
@@ -55,7 +56,7 @@ class PlanCallback(TrainerCallback):
         device = next(model.parameters()).device
         training = model.training
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            batch = _on(next(iter(train_dataloader)), device)
+            batch = batch_on(next(iter(train_dataloader)), device)
             model.train()
             try:
                 self.plan = make_plan(model, batch, self.budget, cache=self.cache, solver=self.solver,
@@ -74,10 +75,3 @@ def _checkpointing(model: torch.nn.Module) -> bool:
         if hasattr(type(model), name):
             return bool(getattr(model, name))
     return False
-
-
-def _on(batch: Any, device: torch.device) -> Any:
-    """A batch from the dataloader on the model's device, as the Trainer moves it."""
-    if isinstance(batch, dict) or hasattr(batch, "items"):
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return batch

@@ -157,7 +157,7 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
     graph = traced.graph if parallel is None else per_rank(traced.graph, traced.parameters(model), parallel)
     sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
                  for path, module in model.named_modules() if runs_its_children(module)}
-    unit = unit_of(graph, parallel.units) if isinstance(parallel, FSDP) else None
+    unit = unit_of(graph, parallel.units, parallel.groups) if isinstance(parallel, FSDP) else None
     profile = device_profile(device)
     buffers = [name for name, _ in model.named_buffers()]
     first = len(dict(model.named_parameters()))

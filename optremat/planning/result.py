@@ -232,7 +232,7 @@ class Plan:
             "chunking": None if self.chunking is None else self.chunking.to_json(),
             "parallel": None if self.parallel is None else {
                 "kind": type(self.parallel).__name__,
-                **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.parallel).items()}},
+                **{k: _lists(v) for k, v in asdict(self.parallel).items()}},
         }
         return {**content, "checksum": checksum(content)}
 
@@ -433,11 +433,11 @@ def _part(name: str, read: Callable[[dict[str, Any]], Any], data: dict[str, Any]
         raise PlanFileError(f"the plan's {name} is malformed ({error}); {_MALFORMED}") from None
 
 
-_PARALLEL_FIELDS: dict[type, tuple[Callable[[Any], bool], str]] = {
+_PARALLEL_FIELDS: dict[type | str, tuple[Callable[[Any], bool], str]] = {
     bool: (_is_bool, "true or false"), int: (_is_count, "a whole number >= 0"), float: (_is_number, "a number"),
-    tuple: (_list_of(_is_text), "a list of text"),
+    tuple: (_list_of(_is_text), "a list of text"), "groups": (_list_of(_list_of(_is_text)), "a list of lists of text"),
 }
-"""How a field of FSDP or DDP is checked, by the type of its default."""
+"""How a field of FSDP or DDP is checked, by its name or else by the type of its default."""
 
 
 def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
@@ -450,15 +450,27 @@ def _parallel_of(data: dict[str, Any] | None) -> Parallel | None:
                             f"not {_json_kind(kind)}; {_MALFORMED}")
     defaults = {f.name: f.default for f in fields(PARALLEL_KINDS[kind])}
     given = {k: v for k, v in data.items() if k != "kind"}
+    if kind == "FSDP":
+        given.setdefault("groups", [])  # plans saved before FSDP had groups name none
     if given.keys() != defaults.keys():
         raise PlanFileError(f"the plan's parallel ({kind}) must have the keys {sorted(defaults)}, "
                             f"not {sorted(given)}; {_MALFORMED}")
     for name, value in given.items():
-        valid, expected = _PARALLEL_FIELDS.get(type(defaults[name]), (_is_text, "text"))
+        valid, expected = _PARALLEL_FIELDS.get(name, _PARALLEL_FIELDS.get(type(defaults[name]), (_is_text, "text")))
         if not valid(value):
             raise PlanFileError(f"the plan's parallel {name!r} must be {expected}, not {_json_kind(value)}; "
                                 f"{_MALFORMED}")
-    return PARALLEL_KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    return PARALLEL_KINDS[kind](**{k: _tuples(v) for k, v in given.items()})
+
+
+def _lists(value: Any) -> Any:
+    """A value with its tuples, nested ones too, as lists, as JSON holds them."""
+    return [_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tuples(value: Any) -> Any:
+    """A JSON value with its lists, nested ones too, as tuples."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 _CHUNKING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {

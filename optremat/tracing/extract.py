@@ -33,6 +33,7 @@ from optremat.core.schedule import keep_all, simulate
 from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, profile_costs, roofline_cost,
                                     workspace_bytes)
+from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.tracing.lm_loss import standing_in
 
@@ -145,8 +146,8 @@ def trace(
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
-    with _tracing(), _grouped_mm_in_any_float(), _module_paths(model) as where, _python_holds(model) as holds, \
-            fx_traceback.preserve_node_meta():
+    with _tracing(), _grouped_mm_in_any_float(), eager_mask_decisions(tree_leaves(args)), \
+            _module_paths(model) as where, _python_holds(model) as holds, fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
                          decomposition_table=DECOMPOSITIONS)(*args)
@@ -622,7 +623,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
             op_name = str(target).removeprefix("aten.")
         cols["names"].append(node.name)
         cols["ops"].append(op_name)
-        writes = _writes(node)
+        writes = writes_in_place(node)  # shares the storage it writes, but costs what computing it costs
         cols["cost"].append(0.0 if (alias_of >= 0 and not writes) or kind != "op" or node.target is operator.getitem
                             else costs.get(node.name, 0.0))
         cols["size"].append(int(size))
@@ -639,13 +640,6 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
             output[index[node]] = True
     _backward_paths(cols, edges)
     return Graph.build(edges=edges, output=output, **cols)
-
-
-def _writes(node: torch.fx.Node) -> bool:
-    """Whether `node` writes into a tensor it is given (an in-place op or one with `out=`):
-    it shares that tensor's storage, but costs what computing its result costs."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _root(alias_of: list[int], i: int) -> int:

@@ -91,3 +91,12 @@ def own_loss(out: Any) -> torch.Tensor | None:
     if isinstance(found, torch.Tensor) and found.dim() == 0 and found.is_floating_point() and found.requires_grad:
         return found
     return None
+
+
+def batch_on(batch: Any, device: torch.device) -> Any:
+    """A batch's tensors moved to `device`, as training loops move a dataloader's batch
+    before calling the model (a dict, or a mapping such as transformers' BatchEncoding,
+    value by value; anything else as it is)."""
+    if isinstance(batch, Mapping) or hasattr(batch, "items"):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch
