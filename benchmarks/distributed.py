@@ -80,7 +80,7 @@ def llama(name: str) -> tuple[torch.nn.Module, tuple, Any]:
     """A Llama-shaped model on the meta device (no memory), its inputs and its loss."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-    AttentionInterface.register("fused_causal", _flash)
+    AttentionInterface.register("fused_causal", flash_attention)
     config = LlamaConfig(**LLAMAS[name], max_position_embeddings=SEQUENCE, use_cache=False,
                          attn_implementation="fused_causal")
     with torch.device("meta"):
@@ -93,7 +93,7 @@ def llama(name: str) -> tuple[torch.nn.Module, tuple, Any]:
     return model, (tokens,), loss_fn
 
 
-def _flash(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Causal attention through PyTorch's flash kernel for the CPU, which keeps only the
     output and its log-sum-exp for the backward, as flash attention does on a GPU."""

@@ -22,17 +22,19 @@ from torch.utils._pytree import tree_leaves
 
 @dataclass(frozen=True)
 class Example:
-    """A model, inputs for one step, and the loss of its output (targets bound in)."""
+    """A model, inputs for one step (positional, or a dict of keyword arguments), and the
+    loss of its output (targets bound in)."""
 
     model: nn.Module
-    inputs: tuple[torch.Tensor, ...]
+    inputs: tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
     loss_fn: Callable[[torch.Tensor], torch.Tensor]
 
     def to(self, device: str | torch.device) -> "Example":
         """The same example with its model, inputs and targets on `device`."""
         moved = getattr(self.loss_fn, "to", None)
-        return Example(self.model.to(device), tuple(x.to(device) for x in self.inputs),
-                       self.loss_fn if moved is None else moved(device))
+        inputs = ({k: x.to(device) for k, x in self.inputs.items()} if isinstance(self.inputs, dict)
+                  else tuple(x.to(device) for x in self.inputs))
+        return Example(self.model.to(device), inputs, self.loss_fn if moved is None else moved(device))
 
 
 @dataclass(frozen=True)
@@ -274,8 +276,10 @@ def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, batch
 
 def load(spec: str) -> Example:
     """A built-in model by name, or `path/to/file.py:function` where the function returns
-    `(model, example_inputs)` or `(model, example_inputs, loss_fn)`. Without a loss the
-    step's loss is the sum of the output's floating-point tensors."""
+    `(model, example_inputs)` or `(model, example_inputs, loss_fn)`; inputs given as a
+    dict are keyword arguments (`model(**batch)`). Without a loss the step's loss is the
+    model's own where its output carries one (`outputs.loss`, as a transformers model
+    given `labels` returns it), else the sum of the output's floating-point tensors."""
     if spec in BUILDERS:
         return build(spec)
     path, _, function = spec.rpartition(":")
@@ -292,10 +296,13 @@ def load(spec: str) -> Example:
     made = getattr(module, function)()
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
         raise ValueError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
-    inputs = made[1] if isinstance(made[1], tuple) else (made[1],)
-    return Example(made[0], inputs, made[2] if len(made) == 3 else _sum_of_outputs)
+    inputs = made[1] if isinstance(made[1], (tuple, dict)) else (made[1],)
+    return Example(made[0], inputs, made[2] if len(made) == 3 else _own_loss_or_sum)
 
 
-def _sum_of_outputs(output: object) -> torch.Tensor:
+def _own_loss_or_sum(output: object) -> torch.Tensor:
+    own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(own, torch.Tensor):
+        return own
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return sum(t.sum() for t in leaves)

@@ -36,7 +36,7 @@ from optremat.ilp.search import configure
 from optremat.planners.chain import BACKWARD, FORWARD, MIDDLE, Chain, Segment
 from optremat.planners.regions import Priced, Region, kept_of, price
 
-CELLS = 32
+CELLS = 64
 """Caps on a block's bytes at one event solved for its frontier, evenly from the least
 any plan of the block holds there to what the unplanned block holds."""
 COMPOSE_SECONDS = 3.0

@@ -64,7 +64,8 @@ def _as_eager(decide: Callable[..., Any], leaves: list[Any]) -> Callable[..., An
 def real_value(tensor: torch.Tensor, leaves: list[Any]) -> torch.Tensor | None:
     """The value eager computes for `tensor`, a tensor of the trace under way: the traced
     ops it depends on, rerun on `leaves`. None where it is no traced tensor, where it
-    depends on a value the trace holds only as a fake tensor, or where rerunning its ops
+    depends on a value the trace holds only as a fake tensor or an input on the meta
+    device (a model too large to build, planned for its shapes), or where rerunning its ops
     could differ from the step or change its inputs (a random op, an op writing in place)."""
     mode = get_proxy_mode()
     slot = None if mode is None else get_proxy_slot(tensor, mode.tracer, None)
@@ -77,15 +78,23 @@ def real_value(tensor: torch.Tensor, leaves: list[Any]) -> torch.Tensor | None:
     placeholders = [node for node in target.graph.nodes if node.op == "placeholder"]
     values = dict(zip(placeholders, leaves, strict=True))
     values.update((node, getattr(mode.tracer.root, node.target)) for node in needed if node.op == "get_attr")
-    if any(isinstance(v, torch.Tensor) and type(v) is not torch.Tensor for n, v in values.items() if n in needed):
+    given = [v for n, v in values.items() if n in needed and isinstance(v, torch.Tensor)]
+    if any(type(v) is not torch.Tensor or v.is_meta for v in given):
         return None
     with _disable_current_modes(), torch.no_grad():
         for node in target.graph.nodes:
             if node in needed and node not in values:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
-                values[node] = node.target(*args, **kwargs)
+                values[node] = node.target(*args, **_off_meta(kwargs))
     value = values[target]
     return value if type(value) is torch.Tensor else None
+
+
+def _off_meta(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An op's keyword arguments with a meta device made the CPU: a value no input feeds
+    (positions from `arange`, say) is computed for real even for a model on the meta device."""
+    device = kwargs.get("device")
+    return {**kwargs, "device": "cpu"} if device is not None and torch.device(device).type == "meta" else kwargs
 
 
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
