@@ -1,15 +1,16 @@
 """Real-size Llamas planned in seconds: tracing and solving time, status and gap.
 
-    python -m benchmarks.scale [--models 7b,13b,70b] [--sequence 8192] [--time-limit 10]
+    python -m benchmarks.scale [--models 7b:8,7b:16,7b,13b,70b] [--sequence 8192] [--time-limit 10]
 
-Llama-2-7B, Llama-2-13B and Llama-3-70B shapes from transformers' `LlamaConfig`, built on
-the meta device in bfloat16 (no memory, random weights), one sequence, the model's own
-loss from `labels`, attention by a flash kernel (which keeps only its output and
-log-sum-exp for the backward, as on an H100), priced for an H100 (`device="h100"`). Each model is traced once;
-each budget (0.3, 0.5 and 0.7 of the unplanned peak, and per-block checkpointing's peak)
-is then solved as `optremat.plan` solves it (`planning.native.solve_native`). A row gives
-the tracing and solving seconds, the status, the plan's predicted overhead, its proven
-bound and the gap between them. Writes benchmarks/scale.md.
+Llama-2-7B (also cut to 8 and 16 layers, to show time against depth), Llama-2-13B and
+Llama-3-70B shapes from transformers' `LlamaConfig`, built on the meta device in bfloat16
+(no memory, random weights), one sequence, the model's own loss from `labels`, attention
+by a flash kernel (which keeps only its output and log-sum-exp for the backward, as on an
+H100), priced for an H100 (`device="h100"`). Each model is traced once; each budget (0.3,
+0.5 and 0.7 of the unplanned peak, and per-block checkpointing's peak) is then solved as
+`optremat.plan` solves it (`planning.native.solve_native`). A row gives the tracing and
+solving seconds, the status, the plan's predicted overhead, its proven lower bound and the
+gap between them. Writes benchmarks/scale.md.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ FRACTIONS = (0.3, 0.5, 0.7)
 
 
 def llama(name: str, sequence: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The model on the meta device and a batch of one sequence with its labels."""
+    """The model on the meta device and a batch of one sequence with its labels; a name
+    such as "7b:8" is that shape with 8 layers."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     AttentionInterface.register("fused_causal", flash_attention)
-    config = LlamaConfig(**LLAMAS[name], max_position_embeddings=sequence, use_cache=False,
-                         attn_implementation="fused_causal")
+    shape, _, layers = name.partition(":")
+    config = LlamaConfig(**{**LLAMAS[shape], **({"num_hidden_layers": int(layers)} if layers else {})},
+                         max_position_embeddings=sequence, use_cache=False, attn_implementation="fused_causal")
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).train()
     ids = torch.zeros(1, sequence, dtype=torch.long, device="meta")
@@ -95,7 +98,8 @@ def rows(name: str, sequence: int, time_limit: float) -> list[list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(LLAMAS))
+    parser.add_argument("--models", default="7b:8,7b:16,7b,13b,70b",
+                        help="shapes (7b, 13b, 70b), each optionally with a layer count (7b:8)")
     parser.add_argument("--sequence", type=int, default=8192)
     parser.add_argument("--time-limit", type=float, default=10.0)
     args = parser.parse_args()
