@@ -3,9 +3,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 
 
+from optremat.models import load
 from tests.console import run
 from tests.test_cache import read_only  # noqa: F401 - a fixture
 
@@ -226,3 +229,35 @@ def test_a_plan_that_cannot_be_saved_is_printed_then_the_error(tmp_path, read_on
     assert "predicted peak" in result.stdout and "plan written" not in result.stdout
     assert f"cannot write {target / 'plan.json'}: Permission denied" in one_line_error(result)
     assert list(target.iterdir()) == []
+
+
+MODEL_FILE = '''
+import torch, torch.nn as nn
+
+
+class OwnLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                                      for _ in range(4)])
+
+    def forward(self, x, target):
+        out = self.blocks(x)
+        return {"loss": nn.functional.mse_loss(out, target), "out": out}
+
+
+def model():
+    torch.manual_seed(0)
+    return OwnLoss(), {"x": torch.randn(256, 32), "target": torch.randn(256, 32)}
+'''
+
+
+def test_a_model_file_giving_a_dict_batch_is_called_with_keywords_and_its_own_loss(tmp_path):
+    (tmp_path / "own.py").write_text(MODEL_FILE)
+    result = run("plan", "--model", f"{tmp_path / 'own.py'}:model", "--budget", "0.7", "--time-limit", "10",
+                 "--deterministic")
+    assert result.returncode == 0, result.stderr
+    assert "predicted peak" in result.stdout
+    example = load(f"{tmp_path / 'own.py'}:model")
+    output = example.model(**example.inputs)
+    assert torch.equal(example.loss_fn(output), output["loss"])
