@@ -77,8 +77,13 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     if not fitting:
         raise _infeasible(rmap, budget_bytes, candidates, solver, time_limit, workers, seed, deterministic)
     best: Priced = min(fitting, key=lambda c: c.cost)
+    scoped = composed is not None and best is composed[0].priced and exact.bound is None
+    if scoped:
+        bound = composed[0].bound
     if progress is not None:
         progress(time.perf_counter() - started, best.cost, bound)
+    if composed is not None and best is composed[0].priced:
+        return _plan_of(rmap, best, budget_bytes, composed[2] if scoped else best.source, bound, started)
     coarse = best.source == "solver"
     lower_bound = bound / total - 1
     return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
@@ -95,7 +100,9 @@ def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: in
     """The chain of identical blocks solved once per block and composed (`solve_chain`):
     the result, whether it stands as the plan (a chain of at least COMPOSED_BLOCKS blocks
     whose plan is within COMPOSED_GAP of its bound) and the solver's name; None when the
-    step has no such chain."""
+    step has no such chain. A composed plan that does not stand competes in the search
+    over every region set; when it wins there and that search proves no bound, its own
+    bound (over plans of regions inside the blocks) is the plan's."""
     chain = chain_of(rmap, least=3)
     if chain is None:
         return None
