@@ -26,7 +26,9 @@ do; optremat is planned with that loss given (`loss_fn`) and, at per-block check
 peak and at 70% and 90%, without it. hf-resnet is transformers' ResNet-18 (`ResNetConfig`,
 random weights, batch norms, dataclass output) on 32 images of 96x96, its loss computed
 outside the model too; per-block checkpointing wraps each residual block (the model has no
-switch for it).
+switch for it). mixtral and qwen-moe are mixtures of experts of the Llama's shape
+(`MixtralConfig`, `Qwen2MoeConfig`: 4 experts, 2 per token, transformers' own grouped
+expert kernels), measured as the Llama is.
 """
 
 from __future__ import annotations
@@ -73,19 +75,29 @@ LLAMA = {"cpu": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4
          "cuda": dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=8, num_attention_heads=16,
                       num_key_value_heads=4, batch=8, seq=1024, dtype=torch.bfloat16)}
 """The Llama's shape on each kind of device (on a GPU in bfloat16, as it is trained there)."""
-THIRD_PARTY = ("llama", "hf-resnet")
+EXPERTS = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+           "qwen-moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=344,
+                            shared_expert_intermediate_size=688, tie_word_embeddings=False)}
+"""The mixtures of experts: the Llama's shape with 4 experts, 2 per token (Qwen2-MoE's
+experts half as wide, beside its shared expert), from transformers' own expert kernels."""
+THIRD_PARTY = ("llama", "hf-resnet", *EXPERTS)
 """The models from transformers: their output is a dataclass holding the logits."""
 
 
-def llama(device: str) -> Case:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama(device: str, kind: str = "llama") -> Case:
+    """The Llama, or with `kind` a mixture of experts of its shape (`EXPERTS`)."""
+    import transformers
 
     torch.manual_seed(0)
     shape = dict(LLAMA["cuda" if device.startswith("cuda") else "cpu"])
     batch, seq, dtype = shape.pop("batch"), shape.pop("seq"), shape.pop("dtype", torch.float32)
-    config = LlamaConfig(vocab_size=8192, max_position_embeddings=seq, attn_implementation="sdpa",
-                         tie_word_embeddings=True, use_cache=False, **shape)
-    model = LlamaForCausalLM(config).train().to(device, dtype)
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                                 "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+                                 "qwen-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}[kind]
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": 8192, "max_position_embeddings": seq, "attn_implementation": "sdpa",
+        "tie_word_embeddings": True, "use_cache": False, **shape, **EXPERTS.get(kind, {})})
+    model = getattr(transformers, model_class)(config).train().to(device, dtype)
     ids = torch.randint(0, 8192, (batch, seq)).to(device)
     labels = torch.randint(0, 8192, (batch * seq,)).to(device)
 
@@ -141,7 +153,9 @@ def compiled_loss(case: Case, name: str) -> Callable[[Any], torch.Tensor]:
 
 
 def case_of(name: str, device: str) -> Case:
-    """The Llama, the transformers ResNet or a built-in model by name."""
+    """The Llama, a mixture of experts, the transformers ResNet or a built-in model by name."""
+    if name in EXPERTS:
+        return llama(device, name)
     return {"llama": llama, "hf-resnet": hf_resnet}.get(name, lambda d: built_in(name, d))(device)
 
 

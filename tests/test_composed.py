@@ -91,3 +91,15 @@ def test_a_long_chain_is_planned_by_composition_and_trains_as_the_model_does() -
     assert torch.equal(loss, expected)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_one_rank_of_fsdp_composes_its_blocks_too() -> None:
+    model, batch = llama(4)
+    parallel = optremat.FSDP(units=("model.layers.*",), world=2, optimizer_state=2.0)
+    rmap = region_map(trace(model, batch, None), model, "cpu", parallel)
+    chain = chain_of(rmap, least=3)
+    assert [path for path, _ in chain.blocks] == [f"model.layers.{k}" for k in range(4)]
+    budget = int(0.85 * simulate(rmap.graph, keep_all(rmap.graph)).peak_bytes)
+    composed = solve_chain(chain, budget, 10, deterministic=True)
+    assert composed.priced.result.peak_bytes <= budget
+    assert composed.bound <= composed.priced.cost
