@@ -92,22 +92,27 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
         return None
     frontiers = _Frontiers(RegionModel(chain.rmap, chain.inner[timeline.middle]), timeline,
                            (time_limit, workers, seed, deterministic, started))
+    limits = (min(time_limit, COMPOSE_SECONDS), workers, seed, deterministic)
     found = list(frontiers.cells(timeline.anchor)[0])
-    bound, priced, options, picked = -math.inf, None, [], None
+    bound = _relaxed(chain, timeline, frontiers, timeline.anchor, budget, found)
     profiled: dict[tuple[Region, ...], Option | None] = {}
-    for event in ((MIDDLE, timeline.anchor), None):
-        if event is None:
-            if priced is None:
-                break
-            event = _peak_event(chain, priced)
-        bound = max(bound, _relaxed(chain, timeline, frontiers, event, budget, found))
-        profiled.update((r, _profile(chain, timeline, r)) for r in dict.fromkeys([(), *found]) if r not in profiled)
-        options = _pareto([o for o in profiled.values() if o is not None])
-        picked = _compose(chain, timeline, options, budget, min(time_limit, COMPOSE_SECONDS), workers, seed,
-                          deterministic, picked)
-        if picked is not None:
-            priced = _priced(chain, timeline, picked, budget) or priced
+    options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None)
+    if priced is not None:
+        bound = max(bound, _relaxed(chain, timeline, frontiers, _peak_stage(priced), budget, found))
+        options, picked, again = _round(chain, timeline, found, profiled, budget, limits, picked)
+        priced = again or priced
     return Composed(priced, chain.rmap.graph.total_cost + bound, tuple(options))
+
+
+def _round(chain: Chain, timeline: _Timeline, found: list[tuple[Region, ...]],
+           profiled: dict[tuple[Region, ...], Option | None], budget: int, limits: tuple,
+           hint: list[Option] | None) -> tuple[list[Option], list[Option] | None, Priced | None]:
+    """The plans `found` so far profiled (once each, into `profiled`) as options, the
+    options no other beats, the choice per block composed from them, and its plan."""
+    profiled.update((r, _profile(chain, timeline, r)) for r in dict.fromkeys([(), *found]) if r not in profiled)
+    options = _pareto([o for o in profiled.values() if o is not None])
+    picked = _compose(chain, timeline, options, budget, *limits, hint)
+    return options, picked, None if picked is None else _priced(chain, timeline, picked, budget)
 
 
 def _priced(chain: Chain, timeline: _Timeline, picked: list[Option], budget: int) -> Priced | None:
@@ -188,23 +193,20 @@ class _Frontiers:
         return found, cells
 
 
-def _peak_event(chain: Chain, priced: Priced) -> tuple[str, int]:
-    """The segment kind and stage where `priced` peaks."""
-    schedule, curve = priced.lowering.schedule, priced.result.curve
-    stage = int(schedule.stage[int(np.argmax(curve))])
-    return next(s.kind for s in chain.segments if s.first <= stage <= s.last), stage
+def _peak_stage(priced: Priced) -> int:
+    """The stage where `priced` peaks."""
+    return int(priced.lowering.schedule.stage[int(np.argmax(priced.result.curve))])
 
 
-def _relaxed(chain: Chain, timeline: _Timeline, frontiers: _Frontiers, event: tuple[str, int], budget: int,
+def _relaxed(chain: Chain, timeline: _Timeline, frontiers: _Frontiers, stage: int, budget: int,
              found: list[tuple[Region, ...]]) -> float:
     """A lower bound on the extra cost of any plan of regions inside the blocks under
-    `budget`, from the bytes at one event (kind of its segment, stage): each block holds
+    `budget`, from the bytes at one stage's own event: each block holds
     there what its plan holds at the same place relative to it, at least its cell's
     least, and costs at least its cell's least cost; a block whose own forward or
     backward the event is in holds at least its least and costs at least nothing. The
     plans the frontiers find join `found`. -inf when the event cannot be read off the
     middle block."""
-    stage = event[1]
     segment = next(s for s in chain.segments if s.first <= stage <= s.last)
     groups: dict[int, int] = {}
     room = budget - int(timeline.curve[stage])
