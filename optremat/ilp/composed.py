@@ -286,25 +286,29 @@ def _pareto(options: list[Option]) -> list[Option]:
 def _compose(chain: Chain, timeline: _Timeline, options: list[Option], budget: int, time_limit: float,
              workers: int, seed: int, deterministic: bool, hint: list[Option] | None) -> list[Option] | None:
     """One option per block, every segment within `budget`, the cheapest found in
-    `time_limit` from `hint`; None when no choice fits. CP-SAT finds the best choice in
-    well under a second on 32 Llama-7B blocks but does not prove it in 30 s (0.07% from
-    its bound); the plan's proof is the knapsack's (`_relaxed`), not this search's."""
-    cp = cp_model.CpModel()
-    blocks = range(len(chain.blocks))
-    pick = [[cp.new_bool_var(f"y{k}_{i}") for i in range(len(options))] for k in blocks]
-    for k, row in enumerate(pick):
-        cp.add_exactly_one(row)
-        for option, y in zip(options, row) if hint is not None else ():
-            cp.add_hint(y, option is hint[k])
+    `time_limit` from `hint` (else from the cheapest option every block can take); None
+    when no choice fits. CP-SAT finds the best choice in well under a second on 32
+    Llama-7B blocks but does not prove it in 30 s (0.07% from its bound); the plan's proof
+    is the knapsack's (`_relaxed`), not this search's. On 80 Llama-70B blocks it finds no
+    choice at all in 3 s without a complete hint."""
     relations = set(options[0].held)
     if any(set(o.held) != relations for o in options):
         return None
+    hint = hint if hint is not None and all(o in options for o in hint) else _uniform(chain, timeline, options, budget)
+    cp = cp_model.CpModel()
+    blocks = range(len(chain.blocks))
+    pick = [[cp.new_bool_var(f"y{k}_{i}") for i in range(len(options))] for k in blocks]
     held = {}
-    for k in blocks:
+    for k, row in enumerate(pick):
+        cp.add_exactly_one(row)
         for relation in relations:
             values = [o.held[relation] for o in options]
             var = held[(k, relation)] = cp.new_int_var(min(values), max(values), "")
-            cp.add(var == sum(v * y for v, y in zip(values, pick[k])))
+            cp.add(var == sum(v * y for v, y in zip(values, row)))
+            if hint is not None:
+                cp.add_hint(var, hint[k].held[relation])
+        for option, y in zip(options, row) if hint is not None else ():
+            cp.add_hint(y, option is hint[k])
     for segment in chain.segments:
         others = [held.get((k, chain.relation(segment, k))) for k in blocks
                   if not (segment.kind in OWN_PHASES and segment.block == k)]
@@ -320,8 +324,17 @@ def _compose(chain: Chain, timeline: _Timeline, options: list[Option], budget: i
     solver = cp_model.CpSolver()
     configure(solver, time_limit, time.perf_counter(), workers or 8, seed, deterministic)
     if solver.solve(cp) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
+        return hint
     return [next(o for o, y in zip(options, pick[k]) if solver.value(y)) for k in blocks]
+
+
+def _uniform(chain: Chain, timeline: _Timeline, options: list[Option], budget: int) -> list[Option] | None:
+    """The cheapest option that every block taking it fits `budget`, for every block."""
+    for option in sorted(options, key=lambda o: o.extra):
+        picked = [option] * len(chain.blocks)
+        if _peak(chain, timeline, picked) <= budget:
+            return picked
+    return None
 
 
 def _peak(chain: Chain, timeline: _Timeline, picked: list[Option]) -> int:
