@@ -2,7 +2,7 @@
 checkpointed module calls against per-block checkpointing, with and without PyTorch's
 own chunked `linear_cross_entropy`.
 
-    python -m benchmarks.chunked [--rounds 9] [--limit 20]
+    python -m benchmarks.chunked [--model gpt-mini|llama] [--rounds 9] [--limit 20]
 
 The model is gpt-mini's shape (`optremat.models.GPT`: vocabulary 8192, 256 tokens, width
 256, 4 blocks, batch 4) returning its final hidden states; the loss is
@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optremat
-from benchmarks.native import _time
+from benchmarks.native import LLAMA, _time
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, under
 from optremat.core.graph import format_bytes
@@ -43,6 +43,17 @@ HEADER = ["method", "budget", "head", "module calls checkpointed", "predicted pe
           "measured / predicted", "predicted overhead", "measured overhead (median)", "plan s"]
 SHAPE = dict(vocab=8192, seq=256, dim=256, layers=4, heads=4)
 BATCH = 4
+LLAMA_PAGE = """The model is `benchmarks.native`'s CPU Llama (transformers' `LlamaForCausalLM` from its
+config: vocabulary 8192, 256 tokens, width 256, 4 layers, batch 4, tied embeddings)
+called as `model(input_ids=ids, labels=ids)`, its loss its own `outputs.loss`, its output
+held through the backward as a training loop holds it (with the whole head, its logits).
+Rows: the unplanned step; transformers' `gradient_checkpointing_enable()`
+(non-reentrant); optremat planned with no `loss_fn` (`head_chunks="auto"`: its own head
+and loss whole or in token chunks) at that peak and at 85%, 70% and 55% of it. The least
+peaks and step times as for gpt-mini (`python -m benchmarks.chunked`)."""
+"""The Llama page's description, after its command line."""
+
+Step = Callable[[], Any]
 
 
 def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -56,7 +67,9 @@ def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tens
     return loss
 
 
-def rows(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
+def gpt_mini(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
+    """gpt-mini returning hidden states, its loss a `CausalLMLoss`, against per-block
+    checkpointing with the whole head and with PyTorch's chunked loss."""
     torch.manual_seed(0)
     model = HiddenGPT(**SHAPE)
     idx = torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq"]))
@@ -64,51 +77,93 @@ def rows(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
     whole, auto = optremat.CausalLMLoss(model.head, labels, chunks=None), optremat.CausalLMLoss(model.head, labels)
     params = list(model.parameters())
 
-    def step_of(loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], tuple]:
+    def step_of(loss_fn: Callable[[Any], torch.Tensor]) -> Step:
         return lambda: torch.autograd.grad(loss_fn(model(idx)), params)
 
-    def measured(run: Callable[[], Any]) -> int:
-        run()
-        return measure_peak(run, resident=[params, idx]).peak_bytes
-
-    def per_block(step: Callable[[], tuple]) -> Callable[[], tuple]:
+    def per_block(step: Step) -> Step:
         def run() -> tuple:
             with checkpointed_blocks(model, [f"blocks.{i}" for i in range(SHAPE["layers"])]):
                 return step()
         return run
 
-    methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]] = {}
-    step = step_of(whole)
-    methods["unplanned"] = (step, {"method": "unplanned", "head": "whole",
-                                   "measured peak": format_bytes(measured(step))})
-    blocks = per_block(step)
-    block_peak = measured(blocks)
-    methods["per-block"] = (blocks, {"method": "per-block checkpoint", "head": "whole",
-                                     "measured peak": format_bytes(block_peak)})
-    lce = per_block(step_of(torch_chunked(model.head, labels)))
-    methods["per-block + lce"] = (lce, {"method": "per-block checkpoint + F.linear_cross_entropy", "head":
-                                        "LinearCrossEntropyOptions()", "measured peak": format_bytes(measured(lce))})
+    peers = {"per-block checkpoint": ("whole", per_block(step_of(whole))),
+             "per-block checkpoint + F.linear_cross_entropy": (
+                 "LinearCrossEntropyOptions()", per_block(step_of(torch_chunked(model.head, labels))))}
+    return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole), dict(loss_fn=auto),
+                   rounds, limit)
+
+
+def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
+    """The Llama with its own loss, against transformers' own gradient checkpointing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(LLAMA["cpu"])
+    batch, seq = shape.pop("batch"), shape.pop("seq")
+    config = LlamaConfig(vocab_size=8192, max_position_embeddings=seq, attn_implementation="sdpa",
+                         tie_word_embeddings=True, use_cache=False, **shape)
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 8192, (batch, seq))
+    inputs = {"input_ids": ids, "labels": ids}
+    params = list(model.parameters())
+
+    def step() -> tuple:
+        outputs = model(**inputs)  # held through the backward, as a training loop holds it
+        return torch.autograd.grad(outputs.loss, params)
+
+    def per_block() -> tuple:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            return step()
+        finally:
+            model.gradient_checkpointing_disable()
+
+    return compare(model, inputs, step, step, {"gradient_checkpointing_enable()": ("whole", per_block)},
+                   dict(head_chunks=None), {}, rounds, limit)
+
+
+def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers: dict[str, tuple[str, Step]],
+            whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float
+            ) -> tuple[list[str], list[list[str]]]:
+    """The least peaks of region plans with the whole head (`whole`: plan()'s options
+    for it) and with its chunks priced (`auto`), and the rows: the `unplanned` step, each
+    of `peers` (its head, its step; the first one's measured peak sets the budgets), and
+    optremat's plans (`planned` run with each installed) at that peak and 85%, 70% and 55% of it."""
+    params = list(model.parameters())
+    resident = [params, list(model.buffers()), inputs]
+
+    def measured(run: Step) -> int:
+        run()
+        return measure_peak(run, resident=resident).peak_bytes
+
+    methods: dict[str, tuple[Step | None, dict[str, str]]] = {
+        "unplanned": (unplanned, {"method": "unplanned", "head": "whole",
+                                  "measured peak": format_bytes(measured(unplanned))})}
+    for name, (head, run) in peers.items():
+        methods[name] = (run, {"method": name, "head": head, "measured peak": format_bytes(measured(run))})
+    peer_peak = measured(next(iter(peers.values()))[1])
     floors = []
-    for name, loss_fn in (("whole head", whole), ("chunks priced", auto)):
+    for name, options in (("whole head", whole), ("chunks priced", auto)):
         try:  # a budget no plan meets, above the parameters and gradients every step holds
-            optremat.plan(model, (idx,), int(block_peak * 0.3), loss_fn=loss_fn, time_limit=limit)
+            optremat.plan(model, inputs, int(peer_peak * 0.3), time_limit=limit, **options)
         except optremat.InfeasibleBudget as error:
             floors.append(f"least peak of any region plan, {name}: {format_bytes(error.smallest)}"
                           f"{' (proven)' if error.proven else ''}")
-    for label, budget in [("= per-block", block_peak)] + [(f"{f:.0%} of per-block", int(block_peak * f))
-                                                          for f in (0.85, 0.7, 0.55)]:
+    peer = next(iter(peers))
+    for label, budget in [(f"= {peer}", peer_peak)] + [(f"{f:.0%} of {peer}", int(peer_peak * f))
+                                                       for f in (0.85, 0.7, 0.55)]:
         started = time.perf_counter()
         try:
-            plan = optremat.plan(model, (idx,), budget, loss_fn=auto, time_limit=limit)
+            plan = optremat.plan(model, inputs, budget, time_limit=limit, **auto)
         except optremat.InfeasibleBudget as error:
             methods[label] = (None, {"method": "optremat", "budget": label,
                                      "predicted peak": f"infeasible (smallest {format_bytes(error.smallest)})"})
             continue
         seconds = time.perf_counter() - started
-        planned = under(model, plan, step_of(auto))
-        peak = measured(planned)
+        run = under(model, plan, planned)
+        peak = measured(run)
         chunks = plan.chunking.chunks
-        methods[label] = (planned, {
+        methods[label] = (run, {
             "method": "optremat", "budget": f"{label} ({format_bytes(budget)})",
             "head": "whole" if chunks is None else f"{chunks} chunks",
             "module calls checkpointed": str(len(plan.regions)),
@@ -121,17 +176,21 @@ def rows(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("gpt-mini", "llama"), default="gpt-mini")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread, no GPU"
     command = " ".join(["python -m benchmarks.chunked"] + sys.argv[1:])
-    floors, table = rows(args.rounds, args.limit)
-    head = ["# LM head chunks chosen with the region plan", "",
-            f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
-            __doc__.split("\n\n", 2)[2].strip(), "", *[f"- {line}" for line in floors], ""]
-    write_rows(Path(__file__).with_name("chunked.md"), head, HEADER, [table])
+    floors, table = {"gpt-mini": gpt_mini, "llama": llama}[args.model](args.rounds, args.limit)
+    page = __doc__.split("\n\n", 2)[2].strip() if args.model == "gpt-mini" else LLAMA_PAGE
+    title = "LM head chunks chosen with the region plan" + ("" if args.model == "gpt-mini" else
+                                                             ": a transformers Llama's own loss")
+    head = [f"# {title}", "", f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "", page, "",
+            *[f"- {line}" for line in floors], ""]
+    out = "chunked.md" if args.model == "gpt-mini" else "chunked_llama.md"
+    write_rows(Path(__file__).with_name(out), head, HEADER, [table])
 
 
 if __name__ == "__main__":

@@ -35,11 +35,13 @@ def own_loss_step(model: nn.Module, batch: dict) -> tuple[float, dict[str, torch
 
 
 def planned_step_is_exact(model: nn.Module, batch: dict) -> optremat.Plan:
-    """Plan `model` on `batch` at 0.7 without a loss_fn and apply it: the applied step's loss
-    and gradients equal the unplanned step's bitwise; the plan, which checkpoints something."""
+    """Plan `model` on `batch` at 0.7 without a loss_fn, its LM head whole, and apply it: the
+    applied step's loss and gradients equal the unplanned step's bitwise (a head in chunks
+    sums the loss in another order: tests/test_hf_chunked.py); the plan, which
+    checkpoints something."""
     state = copy.deepcopy(model.state_dict())
     want = own_loss_step(model, batch)
-    plan = optremat.plan(model, batch, 0.7, time_limit=5, deterministic=True)
+    plan = optremat.plan(model, batch, 0.7, time_limit=5, deterministic=True, head_chunks=None)
     assert plan.regions
     optremat.apply(model, plan)
     model.load_state_dict(state)

@@ -52,9 +52,9 @@ def test_the_trainer_callback_plans_on_the_first_batch_and_trains_the_same(tmp_p
     want = train(tmp_path / "plain", [])
     callback = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=5)
     got = train(tmp_path / "planned", [callback])
-    assert callback.plan is not None and callback.plan.regions
+    assert callback.plan is not None and (callback.plan.regions or callback.plan.chunking.chunks)
     assert "the model's own" in callback.plan.summary()
-    assert got == want
+    assert got == pytest.approx(want, rel=1e-5)  # a head run in chunks sums the loss in another order
     again = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=5)
     train(tmp_path / "again", [again])
     assert again.plan.cached

@@ -15,7 +15,8 @@ from optremat.runtime.native import PlanMismatch
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.inputs import call_of, input_types
 
-_COMPARED = ("solver", "time_limit", "cost_model", "device", "workers", "seed", "deterministic", "runtime")
+_COMPARED = ("solver", "time_limit", "cost_model", "device", "workers", "seed", "deterministic", "runtime",
+             "head_chunks")
 """Planning options every rank must pass alike (callables such as loss_fn cannot be compared)."""
 
 

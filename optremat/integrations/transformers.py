@@ -20,6 +20,7 @@ from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime.apply import Replanning, apply
 from optremat.tracing.inputs import batch_on
+from optremat.tracing.lm_loss import AUTO
 
 log = logging.getLogger("optremat")
 
@@ -32,16 +33,19 @@ class PlanCallback(TrainerCallback):
     `replanning` is the `optremat.Replanning` it runs under: `replanning.plans` holds the
     plan of each input shape training has stepped on (the first batch's `plan` among
     them), and `replanning.planning_seconds` the time spent planning after the first.
-    `time_limit` and `deterministic` are `optremat.plan`'s: with `deterministic=True` the
-    limit is the solver's deterministic time, so the plans do not depend on machine load."""
+    `time_limit`, `deterministic` and `head_chunks` are `optremat.plan`'s: with
+    `deterministic=True` the limit is the solver's deterministic time, so the plans do not
+    depend on machine load; a causal LM whose head the plan runs in chunks returns
+    `outputs.logits` as None from its training steps, and `head_chunks=None` keeps them."""
 
     def __init__(self, budget: int | float | str, *, cache: str | Path | None = None, solver: str = "auto",
-                 time_limit: float = 30.0, deterministic: bool = False) -> None:
+                 time_limit: float = 30.0, deterministic: bool = False, head_chunks: int | str | None = AUTO) -> None:
         self.budget = budget
         self.cache = cache
         self.solver = solver
         self.time_limit = time_limit
         self.deterministic = deterministic
+        self.head_chunks = head_chunks
         self.plan: Plan | None = None
         self.replanning: Replanning | None = None
 
@@ -60,7 +64,8 @@ class PlanCallback(TrainerCallback):
             model.train()
             try:
                 self.plan = make_plan(model, batch, self.budget, cache=self.cache, solver=self.solver,
-                                      time_limit=self.time_limit, deterministic=self.deterministic)
+                                      time_limit=self.time_limit, deterministic=self.deterministic,
+                                      head_chunks=self.head_chunks)
             finally:
                 model.train(training)
         log.info("optremat: %s", self.plan.summary().replace("\n", "; "))

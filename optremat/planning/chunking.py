@@ -1,6 +1,7 @@
 """The LM head's chunking chosen with the region plan: a causal LM's head and loss
-(`CausalLMLoss(chunks="auto")`) run whole or in k token chunks, each count traced and
-its region plan solved exactly, the cheapest that fits the budget kept.
+(`CausalLMLoss(chunks="auto")`, or a transformers causal LM's own, `causal_lm`) run whole
+or in k token chunks, each count traced and its region plan solved exactly, the cheapest
+that fits the budget kept.
 
 Every count in `CHOICES` is priced, so where each region search is proven the chosen
 plan is optimal over counts and regions together; its overhead and bound are of the
@@ -38,9 +39,9 @@ def head_name(model: nn.Module, loss_fn: CausalLMLoss) -> str:
     return name
 
 
-def choices(loss_fn: CausalLMLoss) -> tuple[int | None, ...]:
-    """The chunk counts priced for `loss_fn`'s tokens."""
-    return tuple(k for k in CHOICES if k is None or k <= loss_fn.tokens())
+def choices(tokens: int) -> tuple[int | None, ...]:
+    """The chunk counts priced for a loss over `tokens` positions."""
+    return tuple(k for k in CHOICES if k is None or k <= tokens)
 
 
 def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: Sequence[int | None], head: str,

@@ -27,7 +27,8 @@ from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
 from optremat.planning.chunking import choices, head_name, solve_chunked
 from optremat.planning.native import region_map, solve_native
-from optremat.planning.result import Plan, loss_note
+from optremat.planning.result import Chunking, Plan, loss_note
+from optremat.tracing.causal_lm import own_head, running
 from optremat.tracing.costs import model_device
 from optremat.tracing.extract import DefaultLoss, trace
 from optremat.tracing.fingerprint import model_fingerprint, package_version
@@ -38,7 +39,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
          deterministic: bool = False, progress: Progress | None = None, cache: str | Path | None = None,
-         parallel: Parallel | None = None) -> Plan:
+         parallel: Parallel | None = None, head_chunks: int | str | None = AUTO) -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
 
     `example_inputs` is a batch as the model takes it: a dict is called as
@@ -58,7 +59,12 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     `loss_fn` that is an `optremat.CausalLMLoss` over the model's own head with
     `chunks="auto"` has its head run whole or in token chunks as the plan chooses
     (`optremat.planning.chunking`; `time_limit` shared among the counts priced), and a
-    budget fraction is of the unplanned step with the whole head. `progress`,
+    budget fraction is of the unplanned step with the whole head. So has the own loss of
+    a transformers causal LM (`optremat.tracing.causal_lm.FORWARDS`) given `labels`:
+    `head_chunks` "auto" leaves its head to the plan, None keeps the model's own forward
+    (the whole logits in its output), a count runs the head in that many token chunks;
+    once applied, the training steps of a chunked head return `outputs.logits` as None.
+    `progress`,
     if given, is called as the search goes: (seconds, overhead, proven lower bound on
     the overhead).
     `cache`, a directory, keeps plans across runs: a second call for the same model,
@@ -68,6 +74,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     rank of an FSDP2 or DDP job (`optremat.FSDP`, `optremat.DDP`).
     """
     _check(solver, parallel, budget, time_limit, workers)
+    own = own_head(model, example_inputs, loss_fn, head_chunks)
     if not model.training:
         warnings.warn(f"optremat: {type(model).__name__} is in eval mode (as transformers' from_pretrained returns "
                       "models), so this plans eval-mode steps, and training steps run unplanned; call model.train() "
@@ -76,14 +83,22 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     device_name = device or model_device(model)
     default = DefaultLoss()
     lm = loss_fn if isinstance(loss_fn, CausalLMLoss) else None
-    head = None if lm is None else head_name(model, lm)
-    chunked = lm is not None and lm.chunks == AUTO
+    if own is not None:
+        (head, tokens), asked = own, head_chunks
+    elif lm is not None:
+        head, tokens, asked = head_name(model, lm), lm.tokens(), lm.chunks
+    else:
+        head, tokens, asked = None, 0, None
+    chunked = asked == AUTO
 
-    def traced_map(step_loss: Callable[[Any], torch.Tensor]) -> Any:
-        traced = trace(model, example_inputs, step_loss, cost_model=cost_model, device=device_name)
+    def traced_map(chunks: int | None) -> Any:
+        """The step traced with the head whole (None) or in `chunks` token chunks."""
+        with running(model, chunks if own is not None else None):
+            traced = trace(model, example_inputs, (loss_fn or default) if lm is None else lm.with_chunks(chunks),
+                           cost_model=cost_model, device=device_name)
         return traced, region_map(traced, model, device_name, parallel)
 
-    traced, rmap = traced_map(lm.with_chunks(None) if chunked else loss_fn or default)
+    traced, rmap = traced_map(None if chunked else asked)
     graph = rmap.graph
     budget_bytes = resolve_budget(graph, budget)
     floor = int(graph.size[graph.pinned | graph.output].sum())
@@ -98,10 +113,13 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     def solved() -> Plan:
         found = (solve(rmap, time_limit) if not chunked else
-                 solve_chunked(rmap, lambda k: traced_map(lm.with_chunks(k))[1], choices(lm), head, budget_bytes,
-                               solve, time_limit))
+                 solve_chunked(rmap, lambda k: traced_map(k)[1], choices(tokens), head, budget_bytes, solve,
+                               time_limit))
+        if own is not None and not chunked:  # the count asked for, recorded for apply() to run
+            found = replace(found, chunking=Chunking(head, asked, found.baseline_peak_bytes, (asked,)))
+        chunks = None if found.chunking is None else found.chunking.chunks
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
-                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn, default.source),
+                       mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn, default.source, chunks),
                        parallel=parallel, solve_seconds=time.perf_counter() - started,
                        cost_model=cost_model, device=str(device_name))
 
@@ -111,7 +129,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
                     seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name),
                     training=model.training, version=package_version(),
-                    lm_head=None if lm is None else {"head": head, "chunks": lm.chunks},
+                    lm_head=None if head is None else {"head": head, "chunks": asked},
                     parallel=None if parallel is None else parallel.describe())
     with store.locked(key):
         hit = store.get(key, time_limit, Plan.from_json)

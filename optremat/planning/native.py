@@ -27,7 +27,8 @@ from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.planners.chain import chain_of
 from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.planners.solve import solve
-from optremat.planning.result import Plan, loss_note
+from optremat.planning.result import Chunking, Plan, loss_note
+from optremat.tracing.causal_lm import own_chunks, own_head, running
 from optremat.tracing.costs import device_profile, model_device
 from optremat.tracing.extract import DefaultLoss, Traced, trace
 from optremat.tracing.fingerprint import model_fingerprint
@@ -186,13 +187,21 @@ def runs_its_children(module: nn.Module) -> bool:
 
 def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions: Sequence[Region], *,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None, cost_model: str = "roofline",
-                  device: str | None = None, parallel: Parallel | None = None) -> Plan:
+                  device: str | None = None, parallel: Parallel | None = None,
+                  head_chunks: int | None = None) -> Plan:
     """The native plan that checkpoints exactly `regions`, priced as `plan` prices its own
     (its budget is its peak): per-block checkpointing is one Region per block call saving
-    nothing, so other planners' choices are compared on the same simulator."""
+    nothing, so other planners' choices are compared on the same simulator. `head_chunks`,
+    a count, runs a transformers causal LM's own head and loss in that many token chunks,
+    as `plan(..., head_chunks=...)` does."""
+    if head_chunks == AUTO:
+        raise ValueError('price_regions prices the decisions given: head_chunks None (whole) or a count, not "auto"')
+    own = own_head(model, example_inputs, loss_fn, head_chunks)
+    chunks = None if own is None else head_chunks
     device_name = device or model_device(model)
     default = DefaultLoss()
-    traced = trace(model, example_inputs, loss_fn or default, cost_model=cost_model, device=device_name)
+    with running(model, chunks):
+        traced = trace(model, example_inputs, loss_fn or default, cost_model=cost_model, device=device_name)
     rmap = region_map(traced, model, device_name, parallel)
     missing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) not in rmap.members]
     if missing:
@@ -200,14 +209,15 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
     graph = rmap.graph
+    baseline = simulate(graph, keep_all(graph)).peak_bytes
     return Plan(graph=graph, schedule=priced.lowering.schedule, regions=priced.lowering.regions,
                 model_fingerprint=model_fingerprint(model), budget_bytes=priced.result.peak_bytes,
-                predicted_peak_bytes=priced.result.peak_bytes,
-                baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
+                predicted_peak_bytes=priced.result.peak_bytes, baseline_peak_bytes=baseline,
                 predicted_overhead=priced.overhead, solver="given", status=HEURISTIC, lower_bound=None,
                 solve_seconds=time.perf_counter() - started, solver_overhead=priced.overhead,
                 training=model.training, mutated_buffers=traced.mutated_buffers,
-                loss=loss_note(loss_fn, default.source),
+                loss=loss_note(loss_fn, default.source, chunks),
+                chunking=None if own is None else Chunking(own[0], chunks, baseline, (chunks,)),
                 parallel=parallel, cost_model=cost_model, device=str(device_name))
 
 
@@ -215,13 +225,16 @@ def reprice(plan: Plan, model: nn.Module, example_inputs: Sequence[Any] | Any,
             loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
     """A native plan's regions priced at other inputs' shapes: the same decisions, with
     the peak and overhead they have there (the budget becomes that peak); a
-    `CausalLMLoss(chunks="auto")` runs in the plan's chunks, as it does once applied."""
+    `CausalLMLoss(chunks="auto")`, or a transformers causal LM's own head and loss, runs
+    in the plan's chunks, as it does once applied."""
     if plan.runtime != "native":
         raise ValueError(f"only native plans run at other shapes; this one is {plan.runtime!r}")
+    chunks = None if plan.chunking is None else plan.chunking.chunks
     if plan.chunking is not None and isinstance(loss_fn, CausalLMLoss) and loss_fn.chunks == AUTO:
-        loss_fn = loss_fn.with_chunks(plan.chunking.chunks)
+        loss_fn = loss_fn.with_chunks(chunks)
     priced = price_regions(model, example_inputs, plan.regions, loss_fn=loss_fn, parallel=plan.parallel,
-                           cost_model=plan.cost_model, device=plan.device)
+                           cost_model=plan.cost_model, device=plan.device,
+                           head_chunks=None if loss_fn is not None else own_chunks(model, chunks))
     return replace(plan, graph=priced.graph, schedule=priced.schedule, budget_bytes=priced.budget_bytes,
                    predicted_peak_bytes=priced.predicted_peak_bytes, baseline_peak_bytes=priced.baseline_peak_bytes,
                    predicted_overhead=priced.predicted_overhead, solver_overhead=priced.solver_overhead,

@@ -33,9 +33,10 @@ PARALLEL_KINDS = {"FSDP": FSDP, "DDP": DDP}
 @dataclass(frozen=True)
 class Chunking:
     """How a plan runs a causal LM's head and its loss (`optremat.CausalLMLoss` with
-    `chunks="auto"`): `chunks` token chunks (None: whole), chosen among `tried` (the
-    counts priced, each with the region plan best for it). `head` names the head's weight
-    as `named_parameters` does, where `optremat.apply` installs the choice.
+    `chunks="auto"`, or a transformers causal LM's own, `optremat.tracing.causal_lm`):
+    `chunks` token chunks (None: whole), chosen among `tried` (the counts priced, each
+    with the region plan best for it). `head` names the head's weight as
+    `named_parameters` does, where `optremat.apply` installs the choice.
     `unplanned_peak_bytes` is the step's peak with these chunks and no module call
     checkpointed (the plan's `baseline_peak_bytes` is the whole head's)."""
 
@@ -80,7 +81,8 @@ class Plan:
     `compared` lists the other planners' plans that competed for this one, priced the same
     way: (name, predicted peak bytes, predicted overhead) each (a compiled plan's rivals
     are PyTorch's own partitions of the graph). `chunking` says how the LM head and its
-    loss run when the plan chose it (`optremat.CausalLMLoss(..., chunks="auto")`).
+    loss run when the plan chose it (`optremat.CausalLMLoss(..., chunks="auto")`, or a
+    transformers causal LM's own loss).
     """
 
     graph: Graph
@@ -496,14 +498,17 @@ def _chunking_of(data: dict[str, Any] | None) -> Chunking | None:
     return Chunking(data["head"], data["chunks"], data["unplanned_peak_bytes"], tuple(data["tried"]))
 
 
-def loss_note(loss_fn: Callable | None, source: str = "assumed") -> str:
+def loss_note(loss_fn: Callable | None, source: str = "assumed", head_chunks: int | None = None) -> str:
     """How a native plan priced the loss (`Plan.loss`): given as `loss_fn`, the model's own
-    (`source` "own"), or assumed after the model."""
+    (`source` "own"; with its LM head and loss in `head_chunks` token chunks, if given),
+    or assumed after the model."""
     held = "; the model's output priced as held through the backward (as `out = model(x)` holds it)"
     if loss_fn is not None:
         return f"priced as part of the step (loss_fn){held}"
     if source == "own":
-        return f"the model's own (outputs.loss, computed by the model from its inputs' labels){held}"
+        chunked = (f"; its LM head and loss run in {head_chunks} token chunks, so its outputs.logits is None"
+                   if head_chunks is not None else "")
+        return f"the model's own (outputs.loss, computed by the model from its inputs' labels){chunked}{held}"
     return ("not given: priced as a cross-entropy over the last dimension of the largest output after the "
             "model (an output of 3+ dimensions as a causal LM's: shifted one position, flattened and cast to "
             f"float32, each a copy){held}; pass loss_fn to price another")

@@ -22,7 +22,7 @@ from optremat.planners.solve import SOLVERS
 from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime import native
-from optremat.tracing import lm_loss
+from optremat.tracing import causal_lm, lm_loss
 from optremat.tracing.inputs import Inputs, input_types
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
@@ -40,7 +40,8 @@ class Replanning:
     for a data-parallel job, inside a process group, is made for every rank as
     `optremat.distributed.plan` makes it (ranks agree, rank 0 plans): every rank must then
     meet each new input shape at the same step. The LM head keeps the applied plan's
-    chunks (`Plan.chunking`): each shape's regions are planned for them.
+    chunks (`Plan.chunking`), a `CausalLMLoss`'s or the model's own head and loss: each
+    shape's regions are planned for them.
     `plans` holds the plan of each shape seen, by its inputs' tensor types (0-d tensors
     and constants left out: a token count passed for the loss, as transformers' Trainer
     passes `num_items_in_batch`, sizes no activation), so `len(plans)` counts the shapes
@@ -61,26 +62,29 @@ class Replanning:
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
 
-    def chooser(self, model: nn.Module, applied: Plan) -> native.Choose:
-        """What picks the regions of `model`'s forward for its inputs, `applied` first."""
-        return functools.partial(self._choose, model, applied)
+    def chooser(self, model: nn.Module, applied: Plan, head_chunks: int | None = None) -> native.Choose:
+        """What picks the regions of `model`'s forward for its inputs, `applied` first;
+        `head_chunks` are those the model's own LM head and loss run in as applied."""
+        return functools.partial(self._choose, model, applied, head_chunks)
 
-    def _choose(self, model: nn.Module, applied: Plan, args: tuple, kwargs: dict[str, Any]) -> tuple[Region, ...]:
+    def _choose(self, model: nn.Module, applied: Plan, head_chunks: int | None, args: tuple,
+                kwargs: dict[str, Any]) -> tuple[Region, ...]:
         key = _shaped(input_types(args, kwargs))
         if _in_a_group(applied) and not _every_rank_has(key):
             return applied.regions
         if key not in self.plans:
             self.plans[key] = (applied if _planned_for(applied, key)
-                               else self._plan(model, Inputs(*args, **kwargs), applied, key))
+                               else self._plan(model, Inputs(*args, **kwargs), applied, head_chunks, key))
         return self.plans[key].regions
 
-    def _plan(self, model: nn.Module, args: Inputs, applied: Plan, key: tuple[str, ...]) -> Plan:
+    def _plan(self, model: nn.Module, args: Inputs, applied: Plan, head_chunks: int | None,
+              key: tuple[str, ...]) -> Plan:
         budget = applied.budget_bytes if self.budget is None else self.budget
         loss_fn = self.loss_fn
         if applied.chunking is not None and isinstance(loss_fn, CausalLMLoss) and loss_fn.chunks == AUTO:
             loss_fn = loss_fn.with_chunks(applied.chunking.chunks)  # the head runs as the applied plan says
-        options = dict(loss_fn=loss_fn, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
-                       deterministic=self.deterministic,
+        options = dict(loss_fn=loss_fn, head_chunks=AUTO if loss_fn is not None else head_chunks, cache=self.cache,
+                       solver=self.solver, time_limit=self.time_limit, deterministic=self.deterministic,
                        cost_model=applied.cost_model, device=applied.device)
         started = time.perf_counter()
         try:
@@ -103,7 +107,9 @@ def apply(model: nn.Module, plan: Plan, *, replan: Replanning | None = None) -> 
     """`model` with `plan` installed on it, returned: same call signature, parameters
     and gradients. Its checkpointed module calls run under checkpoint; everything else
     is untouched; where the plan chose how to run a causal LM's head (`Plan.chunking`),
-    every `CausalLMLoss(chunks="auto")` over that head runs so. `remove(model)` takes the
+    every `CausalLMLoss(chunks="auto")` over that head runs so, and a transformers causal
+    LM planned with its own loss runs its head and loss in the plan's chunks on each
+    training step given `labels` (`outputs.logits` is then None). `remove(model)` takes the
     plan off again. The plan's decisions hold at any input shape; with `replan`, each new
     shape gets region plans of its own instead (the head keeps the applied plan's chunks)."""
     if not isinstance(plan, Plan):
@@ -112,9 +118,15 @@ def apply(model: nn.Module, plan: Plan, *, replan: Replanning | None = None) -> 
         raise ValueError(f"this plan is for the {plan.runtime!r} runtime, not a model's own modules: op-by-op plans "
                          "run inside torch.compile; compile the model with optremat.compile_backend instead")
     head = _head(model, plan)
+    try:
+        own = causal_lm.own_chunks(model, None if plan.chunking is None else plan.chunking.chunks)
+    except ValueError as error:
+        raise native.PlanMismatch(f"the plan runs the model's own LM head and loss in chunks, and {error}: plan "
+                                  "again") from None
     installed = native.install(model, plan.regions, training=plan.training, fingerprint=plan.model_fingerprint,
                                mutated_buffers=plan.mutated_buffers,
-                               choose=None if replan is None else replan.chooser(model, plan))
+                               choose=None if replan is None else replan.chooser(model, plan, own),
+                               forward=None if own is None else causal_lm.HeadInChunks(own))
     lm_loss.uninstall(list(model.parameters()))
     if head is not None:
         lm_loss.install(head, plan.chunking.chunks)

@@ -6,6 +6,9 @@ Each module call a plan checkpoints runs its own forward under `torch.utils.chec
 call), the key `optremat.planners.regions` prices. Everything else is the user's model as it is:
 its Python forward runs on every step, hooks fire, parameters and `state_dict()` are
 untouched, and a plan keyed by module call and op occurrence holds at any input shape.
+The one exception is a plan that runs a causal LM's head and loss in chunks: its
+training steps run the forward the plan gives (`install(forward=...)`), which calls the
+model's base model and takes the loss as the model's forward would.
 
 Two pieces of state must not change when a region reruns: checkpoint restores the RNG
 state, so random ops (never saved by a plan) draw the same numbers; and buffers the
@@ -47,18 +50,24 @@ class PlanMismatch(ValueError):
 Choose = Callable[[tuple, dict], "tuple[Region, ...]"]
 """Given a training forward's positional and keyword arguments, the regions to run it under."""
 
+Forward = Callable[..., Any]
+"""What a planned step of a model runs in place of its forward, called as
+`forward(model, own_forward, *args, **kwargs)`; it must pickle, as the model does."""
+
 
 class _Runtime:
     """A model's installed plan: its regions by (module path, call) (for a span of a
     Sequential's children, a list of (start, stop, region)), the mode it was made for,
     how many calls of each planned module the current step has made, whether the
-    current step runs planned, and what picks the regions for a step's inputs, if anything."""
+    current step runs planned, what picks the regions for a step's inputs, if anything,
+    and what a planned step runs in place of the model's own forward, if anything."""
 
     def __init__(self, regions: tuple[Region, ...], training: bool, choose: Choose | None,
-                 mutated_buffers: tuple[str, ...]) -> None:
+                 mutated_buffers: tuple[str, ...], forward: Forward | None) -> None:
         self.training = training
         self.choose = choose
         self.mutated_buffers = mutated_buffers
+        self.forward = forward
         self.calls: Counter[str] = Counter()
         self.active = False
         self.warned = False
@@ -156,10 +165,12 @@ class _PlannedForward:
 
 
 def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fingerprint: str,
-            mutated_buffers: tuple[str, ...] = (), choose: Choose | None = None) -> nn.Module:
+            mutated_buffers: tuple[str, ...] = (), choose: Choose | None = None,
+            forward: Forward | None = None) -> nn.Module:
     """Run `model`'s training steps under `regions`, or under those `choose` picks for a
-    step's inputs; returns `model` itself. Raises PlanMismatch, installing nothing, when
-    the plan does not fit the model."""
+    step's inputs, and through `forward` in place of the model's own where given;
+    returns `model` itself. Raises PlanMismatch, installing nothing, when the plan does
+    not fit the model."""
     if fingerprint != model_fingerprint(model):
         raise PlanMismatch(f"this plan was made for another model (fingerprint {fingerprint}, this model gives "
                            f"{model_fingerprint(model)}); plan again")
@@ -169,7 +180,7 @@ def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fi
                       "cache created outside it sees another cache when it reruns, and checkpoint raises; set "
                       "use_cache=False for training, as transformers' own gradient checkpointing does", stacklevel=3)
     remove(model)
-    runtime = _Runtime(regions, training, choose, mutated_buffers)
+    runtime = _Runtime(regions, training, choose, mutated_buffers, forward)
     setattr(model, _RUNTIME, runtime)
     for path in runtime.paths:
         _take_over(model, path)
@@ -252,14 +263,17 @@ def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
     if state.path == "":
         with runtime.step(module, args, kwargs):
+            if runtime.active and runtime.forward is not None:
+                original = functools.partial(runtime.forward, module, original)
             return _planned(module, state, runtime, original, *args, **kwargs)
     return _planned(module, state, runtime, original, *args, **kwargs)
 
 
 def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original: Callable, *args: Any,
              **kwargs: Any) -> Any:
-    """One call of a taken-over module within a step: under checkpoint if the plan says so."""
-    if not runtime.active or not torch.is_grad_enabled():
+    """One call of a taken-over module within a step: under checkpoint if the plan says so.
+    A trace steps aside even inside a planned step (a shape replanned as the step starts)."""
+    if not runtime.active or not torch.is_grad_enabled() or tracing():
         return original(*args, **kwargs)
     call = runtime.next_call(state.path)
     region = runtime.regions.get((state.path, call))
