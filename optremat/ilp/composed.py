@@ -33,7 +33,8 @@ from optremat.core.schedule import InvalidSchedule
 from optremat.ilp.region_cpsat import SCALE, _Cp
 from optremat.ilp.region_model import OWN, RegionModel
 from optremat.ilp.search import configure
-from optremat.planners.chain import BACKWARD, FORWARD, MIDDLE, Chain, Segment
+from optremat.planners.chain import (AFTER_BACKWARD, AFTER_FORWARD, BACKWARD, BEFORE, END, FORWARD, MIDDLE, Chain,
+                                     Segment)
 from optremat.planners.regions import Priced, Region, kept_of, price
 
 CELLS = 64
@@ -286,15 +287,16 @@ def _pareto(options: list[Option]) -> list[Option]:
 def _compose(chain: Chain, timeline: _Timeline, options: list[Option], budget: int, time_limit: float,
              workers: int, seed: int, deterministic: bool, hint: list[Option] | None) -> list[Option] | None:
     """One option per block, every segment within `budget`, the cheapest found in
-    `time_limit` from `hint` (else from the cheapest option every block can take); None
-    when no choice fits. CP-SAT finds the best choice in well under a second on 32
+    `time_limit` from `hint` (else from `_chained`'s choice, or the cheapest option every
+    block can take); None when no choice fits. CP-SAT finds the best choice in well under a second on 32
     Llama-7B blocks but does not prove it in 30 s (0.07% from its bound); the plan's proof
     is the knapsack's (`_relaxed`), not this search's. On 80 Llama-70B blocks it finds no
     choice at all in 3 s without a complete hint."""
     relations = set(options[0].held)
     if any(set(o.held) != relations for o in options):
         return None
-    hint = hint if hint is not None and all(o in options for o in hint) else _uniform(chain, timeline, options, budget)
+    if hint is None or not all(o in options for o in hint):
+        hint = _chained(chain, timeline, options, budget) or _uniform(chain, timeline, options, budget)
     cp = cp_model.CpModel()
     blocks = range(len(chain.blocks))
     pick = [[cp.new_bool_var(f"y{k}_{i}") for i in range(len(options))] for k in blocks]
@@ -326,6 +328,65 @@ def _compose(chain: Chain, timeline: _Timeline, options: list[Option], budget: i
     if solver.solve(cp) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return hint
     return [next(o for o, y in zip(options, pick[k]) if solver.value(y)) for k in blocks]
+
+
+BUCKETS = 1 << 16
+"""Steps in which `_chained` counts the bytes the blocks before a block hold."""
+
+
+def _chained(chain: Chain, timeline: _Timeline, options: list[Option], budget: int) -> list[Option] | None:
+    """One option per block by dynamic programming along the chain, None when the options
+    do not have the shape it needs or nothing fits. A block's segments are charged what
+    the blocks before it hold, which it reads off one number, the bytes they hold at the
+    head and loss: the others exceed it by at most a constant per block (the largest
+    over the options) and are charged that. The count is rounded up to BUCKETS steps, so
+    every choice fits, at the price of a little slack; blocks after a segment and the
+    gaps before and after the blocks must not be touched by any option."""
+    relations = options[0].held
+    if any(o.held[r] for o in options for r in relations if r[1] < 0 or r[0] in (BEFORE, END)):
+        return None
+    blocks = len(chain.blocks)
+    middle = np.array([o.held[(MIDDLE, 0)] for o in options], dtype=np.int64)
+    lowest = int(middle.min())
+    step = max(1, -(-blocks * int((middle - lowest).max()) // BUCKETS))
+    width = -(-(middle - lowest) // step)
+    offset = {r: max(o.held[r] - o.held[(MIDDLE, 0)] for o in options) for r in relations if r[1] > 0}
+    extra = np.array([o.extra for o in options])
+    cost = np.full(BUCKETS + 1, np.inf)
+    cost[0] = 0.0
+    choices = np.zeros((blocks, BUCKETS + 1), dtype=np.int32)
+    counted = np.arange(BUCKETS + 1, dtype=np.int64) * step
+    segments = {(s.kind, s.block): s for s in chain.segments}
+    for k in range(blocks):
+        before = k * lowest + counted
+        following = np.full(BUCKETS + 1, np.inf)
+        for i, option in enumerate(options):
+            fits = np.ones(BUCKETS + 1, dtype=bool)
+            for kind in OWN_PHASES:
+                own = option.peaks[kind] + timeline.shift[(kind, k)]
+                fits &= own + before + k * offset.get((kind, 1), 0) <= budget
+            for kind in (AFTER_FORWARD, AFTER_BACKWARD):
+                gap = segments.get((kind, k))
+                if gap is not None:
+                    held = int(timeline.curve[gap.first:gap.last + 1].max()) + option.held.get((kind, 0), 0)
+                    fits &= held + before + k * offset.get((kind, 1), 0) <= budget
+            w = int(width[i])
+            candidate = np.where(fits, cost, np.inf)[:BUCKETS + 1 - w] + extra[i]
+            better = candidate < following[w:]
+            following[w:][better] = candidate[better]
+            choices[k, w:][better] = i
+        cost = following
+    room = budget - int(timeline.curve[segments[(MIDDLE, -1)].first:segments[(MIDDLE, -1)].last + 1].max())
+    cost[blocks * lowest + counted > room] = np.inf
+    if not np.isfinite(cost).any():
+        return None
+    state, picked = int(np.argmin(cost)), []
+    for k in range(blocks - 1, -1, -1):
+        i = int(choices[k, state])
+        picked.append(options[i])
+        state -= int(width[i])
+    picked.reverse()
+    return picked if _peak(chain, timeline, picked) <= budget else None
 
 
 def _uniform(chain: Chain, timeline: _Timeline, options: list[Option], budget: int) -> list[Option] | None:
