@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -40,6 +41,8 @@ from optremat.planners.regions import Priced, Region, kept_of, price
 CELLS = 64
 """Caps on a block's bytes at one event solved for its frontier, evenly from the least
 any plan of the block holds there to what the unplanned block holds."""
+OPTIONS = 24
+"""The most plans of one frontier offered to the composition."""
 COMPOSE_SECONDS = 3.0
 """The most seconds (or deterministic time) the choice of one option per block takes."""
 OWN_PHASES = (FORWARD, BACKWARD)
@@ -129,7 +132,7 @@ def _timeline(chain: Chain) -> _Timeline | None:
     base = price(rmap, (), np.ones(rmap.graph.n, dtype=bool), "unplanned")
     curve = base.result.curve
     middle = len(chain.blocks) // 2
-    if middle == 0 or middle == len(chain.blocks) - 1:
+    if _relations(chain, range(len(chain.blocks))) - _relations(chain, [middle]):
         return None
     own = {(s.kind, s.block): s for s in chain.segments if s.kind in OWN_PHASES}
     shift = {}
@@ -141,6 +144,12 @@ def _timeline(chain: Chain) -> _Timeline | None:
         return None
     anchor = gap.first + int(np.argmax(curve[gap.first:gap.last + 1]))
     return _Timeline(base, curve, middle, shift, anchor)
+
+
+def _relations(chain: Chain, blocks: Iterable[int]) -> set[tuple[str, int]]:
+    """How the segments stand to `blocks`, their own forwards and backwards left out."""
+    return {chain.relation(s, k) for k in blocks for s in chain.segments
+            if not (s.kind in OWN_PHASES and s.block == k)}
 
 
 class _Frontiers:
@@ -165,8 +174,8 @@ class _Frontiers:
         return self._least[stage]
 
     def cells(self, stage: int) -> tuple[list[tuple[Region, ...]], list[tuple[int, float]]]:
-        """The plans found, and per cell its least bytes at `stage` beyond the unplanned
-        block's and the least extra cost of any plan in it."""
+        """The plans found (`_spread`), and per cell its least bytes at `stage` beyond the
+        unplanned block's and the least extra cost of any plan in it."""
         if stage not in self._cells:
             self._cells[stage] = self._solve_cells(stage)
         return self._cells[stage]
@@ -191,7 +200,15 @@ class _Frontiers:
                 cells.append((below, 0.0))
             below = cap + 1
         cells.append((below, 0.0))
-        return found, cells
+        return _spread(list(dict.fromkeys(found))), cells
+
+
+def _spread(plans: list[tuple[Region, ...]]) -> list[tuple[Region, ...]]:
+    """At most OPTIONS of `plans`, evenly spaced along them, the first and last included:
+    each option costs a simulation of the whole step to profile."""
+    if len(plans) <= OPTIONS:
+        return plans
+    return [plans[round(i * (len(plans) - 1) / (OPTIONS - 1))] for i in range(OPTIONS)]
 
 
 def _peak_stage(priced: Priced) -> int:
