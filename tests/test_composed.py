@@ -3,7 +3,7 @@
 search over every plan of regions inside the blocks to prove its optimum, the composed
 plan is that optimum (same cost, same simulated peak) and its bound never exceeds it; a
 long chain is planned by composition alone, and the plan trains as the model does (slow:
-16 blocks, planned and trained)."""
+16 blocks, planned and trained); on a tiny chain, against every plan inside its blocks."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ import optremat
 from optremat.core.schedule import keep_all, simulate
 from optremat.ilp.composed import solve_chain
 from optremat.ilp.region_cpsat import solve_regions
+from optremat.ilp.region_model import RegionModel
 from optremat.planners.chain import BACKWARD, FORWARD, MIDDLE, chain_of
+from optremat.planners.regions import price
 from optremat.planning.native import region_map
 from optremat.tracing.extract import trace
+from tests.test_region_model import every_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,3 +106,35 @@ def test_one_rank_of_fsdp_composes_its_blocks_too() -> None:
     composed = solve_chain(chain, budget, 10, deterministic=True)
     assert composed.priced.result.peak_bytes <= budget
     assert composed.bound <= composed.priced.cost
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def test_on_a_tiny_chain_composition_meets_every_plan_inside_the_blocks() -> None:
+    """Against every plan of regions inside three small residual blocks (each block, its
+    layers, their saves), at budgets from below the least peak to above most: the
+    composed plan is the cheapest that fits and the bound never exceeds it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), Block(), Block(), Block(), torch.nn.Linear(16, 4))
+    rmap = region_map(trace(model, torch.randn(64, 16), None), model, "cpu")
+    chain = chain_of(rmap, least=3)
+    assert [path for path, _ in chain.blocks] == ["1", "2", "3"]
+    inner = RegionModel(rmap, [call for calls in chain.inner for call in calls])
+    plans = [price(rmap, inner.chosen(values), inner.kept(values), "all") for values in every_plan(inner)]
+    assert len(plans) >= 27
+    peaks = sorted(p.result.peak_bytes for p in plans)
+    for budget in (peaks[0] - 1, peaks[0], peaks[len(peaks) // 4], peaks[len(peaks) // 2]):
+        fitting = [p.cost for p in plans if p.result.peak_bytes <= budget]
+        composed = solve_chain(chain, budget, 10, deterministic=True)
+        if not fitting:
+            assert composed.priced is None
+            continue
+        assert composed.bound <= min(fitting) * (1 + 1e-9)
+        assert composed.priced.cost == pytest.approx(min(fitting), rel=1e-9)

@@ -61,10 +61,15 @@ class Chain:
         return tuple(Region(*self.inner[target][where[(r.path, r.call)]], r.saved) for r in regions)
 
 
+COVERAGE = 0.5
+"""The least share of the step's forward ops a chain's blocks must run: a chain of layer
+norms is no skeleton to plan a model by."""
+
+
 def chain_of(rmap: RegionMap, least: int = 2) -> Chain | None:
-    """The longest chain of at least `least` identical blocks among the module calls of
-    one depth whose forwards and backwards each run as consecutive stages, None if there
-    is none."""
+    """The chain of at least `least` identical blocks, among the module calls of one
+    depth, running the most ops (at least COVERAGE of the forward's), whose forwards and
+    backwards each run as consecutive stages; None if there is none."""
     best = None
     for structure in rmap.structures():
         groups: dict[tuple, list[Call]] = defaultdict(list)
@@ -74,7 +79,8 @@ def chain_of(rmap: RegionMap, least: int = 2) -> Chain | None:
             if len(calls) >= least and (best is None or _coverage(rmap, calls) > _coverage(rmap, best.blocks)):
                 found = _chain(rmap, tuple(calls))
                 best = found or best
-    return best
+    forward = int((~rmap.graph.backward & ~rmap.graph.pinned).sum())
+    return best if best is not None and _coverage(rmap, best.blocks) >= COVERAGE * forward else None
 
 
 def _coverage(rmap: RegionMap, calls: tuple[Call, ...] | list[Call]) -> int:
