@@ -40,7 +40,7 @@ def llama(layers: int, sequence: int = 64, width: int = 64) -> tuple[torch.nn.Mo
 def four_blocks():
     model, batch = llama(4)
     rmap = region_map(trace(model, batch, None), model, "cpu")
-    return rmap, chain_of(rmap, least=3)
+    return rmap, chain_of(rmap)
 
 
 def test_the_decoder_layers_are_the_chain(four_blocks) -> None:
@@ -74,7 +74,7 @@ def test_a_budget_no_plan_fits_composes_nothing_and_bounds_at_infinity(four_bloc
 def test_no_chain_in_a_model_without_repeated_blocks() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     rmap = region_map(trace(model, torch.randn(4, 8), None), model, "cpu")
-    assert chain_of(rmap, least=3) is None
+    assert chain_of(rmap) is None
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_one_rank_of_fsdp_composes_its_blocks_too() -> None:
     model, batch = llama(4)
     parallel = optremat.FSDP(units=("model.layers.*",), world=2, optimizer_state=2.0)
     rmap = region_map(trace(model, batch, None), model, "cpu", parallel)
-    chain = chain_of(rmap, least=3)
+    chain = chain_of(rmap)
     assert [path for path, _ in chain.blocks] == [f"model.layers.{k}" for k in range(4)]
     budget = int(0.85 * simulate(rmap.graph, keep_all(rmap.graph)).peak_bytes)
     composed = solve_chain(chain, budget, 10, deterministic=True)
@@ -124,7 +124,7 @@ def test_on_a_tiny_chain_composition_meets_every_plan_inside_the_blocks() -> Non
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), Block(), Block(), Block(), torch.nn.Linear(16, 4))
     rmap = region_map(trace(model, torch.randn(64, 16), None), model, "cpu")
-    chain = chain_of(rmap, least=3)
+    chain = chain_of(rmap)
     assert [path for path, _ in chain.blocks] == ["1", "2", "3"]
     inner = RegionModel(rmap, [call for calls in chain.inner for call in calls])
     plans = [price(rmap, inner.chosen(values), inner.kept(values), "all") for values in every_plan(inner)]

@@ -66,7 +66,7 @@ COVERAGE = 0.5
 norms is no skeleton to plan a model by."""
 
 
-def chain_of(rmap: RegionMap, least: int = 2) -> Chain | None:
+def chain_of(rmap: RegionMap, least: int = 3) -> Chain | None:
     """The chain of at least `least` identical blocks, among the module calls of one
     depth, running the most ops (at least COVERAGE of the forward's), whose forwards and
     backwards each run as consecutive stages; None if there is none."""
@@ -136,8 +136,7 @@ def _aligned(rmap: RegionMap, blocks: tuple[Call, ...]) -> tuple[tuple[Call, ...
     inner, layouts = [], set()
     for block in blocks:
         start, members = int(rmap.members[block][0]), set(rmap.members[block].tolist())
-        calls = [c for c in candidates if c != block and set(rmap.members[c].tolist()) <= members]
-        calls.append(block)
+        calls = [c for c in candidates if set(rmap.members[c].tolist()) <= members]
         calls.sort(key=lambda c: (tuple((rmap.members[c] - start).tolist()), c[0]))
         inner.append(tuple(calls))
         layouts.add(tuple(tuple((rmap.members[c] - start).tolist()) for c in calls))

@@ -104,7 +104,7 @@ def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: in
     step has no such chain. A composed plan that does not stand competes in the search
     over every region set; when it wins there and that search proves no bound, its own
     bound (over plans of regions inside the blocks) is the plan's."""
-    chain = chain_of(rmap, least=3)
+    chain = chain_of(rmap)
     if chain is None:
         return None
     composed = solve_chain(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic)
