@@ -42,7 +42,7 @@ import torch
 
 import optremat
 from benchmarks.native import _seconds, case_of, compiled_loss
-from benchmarks.report import table, write_rows
+from benchmarks.report import keep_compiled, table, write_rows
 from optremat.bench import torch_budget_backend
 from optremat.core.graph import format_bytes
 from optremat.plots import plot_lines
@@ -214,10 +214,7 @@ def main() -> None:
         print(table(KNAPSACK_HEADER, [row for name in args.models.split(",") for row in knapsack_rows(name)]))
         return
     torch.set_num_threads(2)
-    # every configuration keeps its compiled graphs for the timing rounds; never fall back to eager
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.accumulated_recompile_limit = 1024
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    keep_compiled()
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, no GPU"
     command = " ".join(["python -m benchmarks.compile"] + sys.argv[1:])
     head = ["# optremat as torch.compile's partitioner", "",

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 import optremat
-from benchmarks.report import write_rows
+from benchmarks.report import keep_compiled, write_rows
 from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend, under
 from optremat.core.graph import format_bytes
 from optremat.models import build
@@ -292,6 +292,7 @@ def main() -> None:
     parser.add_argument("--out", help="the page to write (default: native.md here on a CPU, "
                                       "native_<device>.md under $OUT or here on a GPU)")
     args = parser.parse_args()
+    keep_compiled()
     if args.device == "cpu":
         torch.set_num_threads(2)
         machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, no GPU"

@@ -32,3 +32,13 @@ def write_rows(out: Path, head: list[str], header: list[str], batches: Iterable[
             print(" | ".join(cells), flush=True)
         out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
+
+
+def keep_compiled() -> None:
+    """Every configuration keeps its compiled graphs for the timing rounds: a benchmark
+    compiling one model under several backends never falls back to eager."""
+    import torch
+
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
