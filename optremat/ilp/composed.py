@@ -64,7 +64,8 @@ class Option:
 class Composed:
     """The composed plan (None when no choice of options fits, or when the simulator
     disagrees with the composition), the least cost (seconds) any plan of regions inside
-    the blocks can have under the budget, and the options each block chose from."""
+    the blocks can have under the budget (-inf where none is known), and the options each
+    block chose from."""
 
     priced: Priced | None
     bound: float
@@ -105,7 +106,10 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
         bound = max(bound, _relaxed(chain, timeline, frontiers, _peak_stage(priced), budget, found))
         options, picked, again = _round(chain, timeline, found, profiled, budget, limits, picked)
         priced = again or priced
-    return Composed(priced, chain.rmap.graph.total_cost + bound, tuple(options))
+    bound += chain.rmap.graph.total_cost
+    if priced is not None and bound > priced.cost * (1 + 1e-9):
+        bound = -math.inf  # a plan below the bound: the blocks' bytes did not add as the bound assumes
+    return Composed(priced, bound, tuple(options))
 
 
 def _round(chain: Chain, timeline: _Timeline, found: list[tuple[Region, ...]],

@@ -8,6 +8,7 @@ input shape (`price_regions`, `reprice`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -53,7 +54,10 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     regions) seed an exact search over every set of non-overlapping candidate regions
     (`solve_regions`), every plan priced on every op as the runtime runs it. The plan's
     bound is the least cost that search proves; where the time runs out first, the
-    memory bound of the step's own graph stands in. OPTIMAL when the plan meets it."""
+    memory bound of the step's own graph stands in. OPTIMAL when the plan meets it. A
+    chain of identical blocks is first solved once per block and composed (`_composed`):
+    from COMPOSED_BLOCKS blocks that plan, within COMPOSED_GAP of its bound, is the plan;
+    otherwise it is one more seed."""
     graph = rmap.graph
     total = graph.total_cost
     composed = _composed(rmap, budget_bytes, time_limit, workers, seed, deterministic)
@@ -78,22 +82,16 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     if not fitting:
         raise _infeasible(rmap, budget_bytes, candidates, solver, time_limit, workers, seed, deterministic)
     best: Priced = min(fitting, key=lambda c: c.cost)
-    scoped = composed is not None and best is composed[0].priced and exact.bound is None
+    scoped = (composed is not None and best is composed[0].priced and exact.bound is None
+              and math.isfinite(composed[0].bound))
     if scoped:
         bound = composed[0].bound
     if progress is not None:
         progress(time.perf_counter() - started, best.cost, bound)
-    if composed is not None and best is composed[0].priced:
-        return _plan_of(rmap, best, budget_bytes, composed[2] if scoped else best.source, bound, started)
     coarse = best.source == "solver"
-    lower_bound = bound / total - 1
-    return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
-                budget_bytes=budget_bytes, predicted_peak_bytes=best.result.peak_bytes,
-                baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
-                predicted_overhead=best.overhead, solver=coarse_solution.solver if coarse else best.source,
-                status=OPTIMAL if best.overhead <= lower_bound + ROUNDING else FEASIBLE, lower_bound=lower_bound,
-                solve_seconds=time.perf_counter() - started,
-                solver_overhead=coarse_solution.cost / total - 1 if coarse else best.overhead)
+    name = composed[2] if scoped else coarse_solution.solver if coarse else best.source
+    return _plan_of(rmap, best, budget_bytes, name, bound, started,
+                    coarse_solution.cost / total - 1 if coarse else best.overhead)
 
 
 def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: int, seed: int,
@@ -117,16 +115,19 @@ def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: in
     return composed, stands, name
 
 
-def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, bound: float, started: float) -> Plan:
-    """The plan of `best`, OPTIMAL when it meets `bound` (seconds)."""
+def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, bound: float, started: float,
+             solver_overhead: float | None = None) -> Plan:
+    """The plan of `best`, OPTIMAL when it meets `bound` (seconds; none when not finite);
+    `solver_overhead` is what the solver predicted, when it planned another graph."""
     graph = rmap.graph
-    lower_bound = bound / graph.total_cost - 1
+    lower_bound = bound / graph.total_cost - 1 if math.isfinite(bound) else None
     return Plan(graph=graph, schedule=best.lowering.schedule, regions=best.lowering.regions, model_fingerprint="",
                 budget_bytes=budget_bytes, predicted_peak_bytes=best.result.peak_bytes,
                 baseline_peak_bytes=simulate(graph, keep_all(graph)).peak_bytes,
                 predicted_overhead=best.overhead, solver=solver,
-                status=OPTIMAL if best.overhead <= lower_bound + ROUNDING else FEASIBLE, lower_bound=lower_bound,
-                solve_seconds=time.perf_counter() - started, solver_overhead=best.overhead)
+                status=OPTIMAL if lower_bound is not None and best.overhead <= lower_bound + ROUNDING else FEASIBLE,
+                lower_bound=lower_bound, solve_seconds=time.perf_counter() - started,
+                solver_overhead=best.overhead if solver_overhead is None else solver_overhead)
 
 
 def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], solver: str, time_limit: float,
