@@ -18,6 +18,11 @@ fits, the blocks' bytes there sum to at most what the budget leaves, and each bl
 costs at least the cheapest plan under the cap of its grid cell. The least total over
 those cells (a knapsack, `_bound`) bounds every plan of regions inside the blocks, not
 only the options'.
+
+Both rest on the blocks being alike: what a block's plan does to a segment depends only
+on how the segment stands to the block, and what two blocks' plans do adds up. The
+composed plan is priced whole on the simulator, which checks that for it; a bound above
+that plan's cost is dropped.
 """
 
 from __future__ import annotations
@@ -87,8 +92,9 @@ class _Timeline:
 def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 0, seed: int = 0,
                 deterministic: bool = False) -> Composed | None:
     """The cheapest composition of per-block options that fits `budget`, with the bound
-    on every plan of regions inside the blocks; None when the chain is too short to read
-    every relation off its middle block or its blocks are not alike on the simulator.
+    on every plan of regions inside the blocks; None when the middle block does not see
+    every relation another block needs (a chain of three or four blocks with gaps between
+    them) or the step has no gap between the forwards and the backwards.
     The options come from the frontiers at the anchor and at the event where the first
     composed plan peaks; the bound is the better of the knapsacks at those two events."""
     started = time.perf_counter()
@@ -98,14 +104,14 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     frontiers = _Frontiers(RegionModel(chain.rmap, chain.inner[timeline.middle]), timeline,
                            (time_limit, workers, seed, deterministic, started))
     limits = (min(time_limit, COMPOSE_SECONDS), workers, seed, deterministic)
-    found = list(frontiers.cells(timeline.anchor)[0])
+    found: list[tuple[Region, ...]] = []
     bound = _relaxed(chain, timeline, frontiers, timeline.anchor, budget, found)
     profiled: dict[tuple[Region, ...], Option | None] = {}
     options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None)
     if priced is not None:
         bound = max(bound, _relaxed(chain, timeline, frontiers, _peak_stage(priced), budget, found))
         options, picked, again = _round(chain, timeline, found, profiled, budget, limits, picked)
-        priced = again or priced
+        priced = min([p for p in (priced, again) if p is not None], key=lambda p: p.cost)
     bound += chain.rmap.graph.total_cost
     if priced is not None and bound > priced.cost * (1 + 1e-9):
         bound = -math.inf  # a plan below the bound: the blocks' bytes did not add as the bound assumes
@@ -127,7 +133,10 @@ def _priced(chain: Chain, timeline: _Timeline, picked: list[Option], budget: int
     """The plan of one option per block priced whole; None when the simulator finds it
     over the budget or over the composition's peak (the blocks' effects did not add)."""
     regions = tuple(r for k, option in enumerate(picked) for r in chain.moved(option.regions, timeline.middle, k))
-    priced = price(chain.rmap, *kept_of(chain.rmap, regions), "composed")
+    try:
+        priced = price(chain.rmap, *kept_of(chain.rmap, regions), "composed")
+    except InvalidSchedule:
+        return None
     return priced if priced.result.peak_bytes <= min(_peak(chain, timeline, picked), budget) else None
 
 
@@ -163,7 +172,7 @@ class _Frontiers:
 
     def __init__(self, model: RegionModel, timeline: _Timeline, limits: tuple) -> None:
         self.model, self.timeline, self.limits = model, timeline, limits
-        self._cells: dict[int, tuple[list[tuple[Region, ...]], list[tuple[int, float]]]] = {}
+        self._cells: dict[int, tuple[list[tuple[Region, ...]], list[tuple[int, float]] | None]] = {}
         self._least: dict[int, int | None] = {}
 
     def least(self, stage: int) -> int | None:
@@ -177,23 +186,28 @@ class _Frontiers:
             self._least[stage] = math.floor(solver.best_objective_bound) - int(self.timeline.curve[stage]) if ok else None
         return self._least[stage]
 
-    def cells(self, stage: int) -> tuple[list[tuple[Region, ...]], list[tuple[int, float]]]:
+    def cells(self, stage: int) -> tuple[list[tuple[Region, ...]], list[tuple[int, float]] | None]:
         """The plans found (`_spread`), and per cell its least bytes at `stage` beyond the
-        unplanned block's and the least extra cost of any plan in it."""
+        unplanned block's and the least extra cost of any plan in it (None when the least
+        bytes were not found in time; past the time limit the rest is one cell costing 0)."""
         if stage not in self._cells:
             self._cells[stage] = self._solve_cells(stage)
         return self._cells[stage]
 
-    def _solve_cells(self, stage: int) -> tuple[list[tuple[Region, ...]], list[tuple[int, float]]]:
+    def _solve_cells(self, stage: int) -> tuple[list[tuple[Region, ...]], list[tuple[int, float]] | None]:
         """The cheapest plan under each of CELLS caps, evenly from the least bytes any
-        plan holds at `stage` to none saved; each cap's cell holds the plans above the
-        cap before it, which cost at least what the cheapest under its own cap costs."""
+        plan holds at `stage` to what the unplanned block holds; each cap's cell holds the
+        plans above the cap before it, which cost at least what the cheapest under its own
+        cap costs."""
         model, lowest = self.model, self.least(stage)
         if lowest is None:
-            return [], [(-2 ** 62, 0.0)]
+            return [], None
         row, unplanned = model.row(stage, stage, OWN), int(self.timeline.curve[stage])
         found, cells, below = [], [], lowest
         for cap in sorted({int(c) for c in np.linspace(lowest, 0, CELLS)}):
+            if not self.limits[3] and time.perf_counter() - self.limits[4] > self.limits[0]:
+                cells.append((below, 0.0))
+                break
             cp = _Cp(model, unplanned + cap)
             cp.add_rows([row])
             status, solver = _solve(cp, *self.limits)
@@ -246,7 +260,9 @@ def _relaxed(chain: Chain, timeline: _Timeline, frontiers: _Frontiers, stage: in
     menus = []
     for aligned, count in groups.items():
         plans, cells = frontiers.cells(aligned)
-        found.extend(plans)
+        found.extend(p for p in plans if p not in found)
+        if cells is None:
+            return -math.inf
         menus.append((count, cells))
     return _bound(menus, room)
 
@@ -314,8 +330,6 @@ def _compose(chain: Chain, timeline: _Timeline, options: list[Option], budget: i
     is the knapsack's (`_relaxed`), not this search's. On 80 Llama-70B blocks it finds no
     choice at all in 3 s without a complete hint."""
     relations = set(options[0].held)
-    if any(set(o.held) != relations for o in options):
-        return None
     if hint is None or not all(o in options for o in hint):
         hint = _chained(chain, timeline, options, budget) or _uniform(chain, timeline, options, budget)
     cp = cp_model.CpModel()
@@ -333,10 +347,8 @@ def _compose(chain: Chain, timeline: _Timeline, options: list[Option], budget: i
         for option, y in zip(options, row) if hint is not None else ():
             cp.add_hint(y, option is hint[k])
     for segment in chain.segments:
-        others = [held.get((k, chain.relation(segment, k))) for k in blocks
+        others = [held[(k, chain.relation(segment, k))] for k in blocks
                   if not (segment.kind in OWN_PHASES and segment.block == k)]
-        if any(var is None for var in others):
-            return None
         if segment.kind in OWN_PHASES:
             own = sum(o.peaks[segment.kind] * y for o, y in zip(options, pick[segment.block]))
             cp.add(own + timeline.shift[(segment.kind, segment.block)] + sum(others) <= budget)
@@ -367,10 +379,10 @@ def _chained(chain: Chain, timeline: _Timeline, options: list[Option], budget: i
     if any(o.held[r] for o in options for r in relations if r[1] < 0 or r[0] in (BEFORE, END)):
         return None
     blocks = len(chain.blocks)
-    middle = np.array([o.held[(MIDDLE, 0)] for o in options], dtype=np.int64)
-    lowest = int(middle.min())
-    step = max(1, -(-blocks * int((middle - lowest).max()) // BUCKETS))
-    width = -(-(middle - lowest) // step)
+    anchored = np.array([o.held[(MIDDLE, 0)] for o in options], dtype=np.int64)
+    lowest = int(anchored.min())
+    step = max(1, -(-int((anchored - lowest).max()) // (BUCKETS // blocks)))
+    width = -(-(anchored - lowest) // step)
     offset = {r: max(o.held[r] - o.held[(MIDDLE, 0)] for o in options) for r in relations if r[1] > 0}
     extra = np.array([o.extra for o in options])
     cost = np.full(BUCKETS + 1, np.inf)
@@ -436,7 +448,7 @@ def _peak(chain: Chain, timeline: _Timeline, picked: list[Option]) -> int:
 def _bound(menus: list[tuple[int, list[tuple[int, float]]]], room: int) -> float:
     """The least extra cost of blocks in groups (how many, the cells they choose from:
     each cell's least bytes and least extra cost) whose bytes sum to at most `room`;
-    infinite if none fits."""
+    infinite if none fits, -inf when not solved."""
     cp = cp_model.CpModel()
     unit = max((extra for _, cells in menus for _, extra in cells), default=0.0) / 1e12 or 1.0
     used, cost = [], []
@@ -449,6 +461,7 @@ def _bound(menus: list[tuple[int, list[tuple[int, float]]]], room: int) -> float
     cp.minimize(sum(cost))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    if solver.solve(cp) == cp_model.INFEASIBLE:
+    status = solver.solve(cp)
+    if status == cp_model.INFEASIBLE:
         return math.inf
-    return solver.best_objective_bound * unit
+    return solver.best_objective_bound * unit if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else -math.inf

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solut
 from optremat.ilp.bounds import solver_floor
 from optremat.ilp.composed import Composed, solve_chain
 from optremat.ilp.region_cpsat import least_peak, solve_regions
+from optremat.ilp.search import LEAST_SECONDS
 from optremat.planners.chain import chain_of
 from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search
 from optremat.planners.solve import solve
@@ -60,15 +61,18 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     otherwise it is one more seed."""
     graph = rmap.graph
     total = graph.total_cost
+    composing = time.perf_counter()
     composed = _composed(rmap, budget_bytes, time_limit, workers, seed, deterministic)
-    if composed is not None and composed[1]:
+    if composed is not None and composed.stands:
         if progress is not None:
-            progress(time.perf_counter() - started, composed[0].priced.cost, composed[0].bound)
-        return _plan_of(rmap, composed[0].priced, budget_bytes, composed[2], composed[0].bound, started)
+            progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
+        return _plan_of(rmap, composed.result.priced, budget_bytes, composed.name, composed.result.bound, started)
+    if not deterministic:
+        time_limit = max(time_limit - (time.perf_counter() - composing), LEAST_SECONDS)
     kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, time_limit, workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
-    if composed is not None and composed[0].priced is not None:
-        candidates.append(composed[0].priced)
+    if composed is not None and composed.result.priced is not None:
+        candidates.append(composed.result.priced)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
@@ -82,26 +86,34 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     if not fitting:
         raise _infeasible(rmap, budget_bytes, candidates, solver, time_limit, workers, seed, deterministic)
     best: Priced = min(fitting, key=lambda c: c.cost)
-    scoped = (composed is not None and best is composed[0].priced and exact.bound is None
-              and math.isfinite(composed[0].bound))
+    scoped = (composed is not None and best is composed.result.priced and exact.bound is None
+              and math.isfinite(composed.result.bound))
     if scoped:
-        bound = composed[0].bound
+        bound = composed.result.bound
     if progress is not None:
         progress(time.perf_counter() - started, best.cost, bound)
     coarse = best.source == "solver"
-    name = composed[2] if scoped else coarse_solution.solver if coarse else best.source
+    name = composed.name if scoped else coarse_solution.solver if coarse else best.source
     return _plan_of(rmap, best, budget_bytes, name, bound, started,
                     coarse_solution.cost / total - 1 if coarse else best.overhead)
 
 
+class _Chained(NamedTuple):
+    """A chain's composed plan and bound, whether that plan stands as the plan, and the
+    solver's name for it (with the bound's scope)."""
+
+    result: Composed
+    stands: bool
+    name: str
+
+
 def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: int, seed: int,
-              deterministic: bool) -> tuple[Composed, bool, str] | None:
-    """The chain of identical blocks solved once per block and composed (`solve_chain`):
-    the result, whether it stands as the plan (a chain of at least COMPOSED_BLOCKS blocks
-    whose plan is within COMPOSED_GAP of its bound) and the solver's name; None when the
-    step has no such chain. A composed plan that does not stand competes in the search
-    over every region set; when it wins there and that search proves no bound, its own
-    bound (over plans of regions inside the blocks) is the plan's."""
+              deterministic: bool) -> _Chained | None:
+    """The chain of identical blocks solved once per block and composed (`solve_chain`),
+    None when the step has no such chain. The plan stands from COMPOSED_BLOCKS blocks,
+    within COMPOSED_GAP of its bound; otherwise it competes in the search over every
+    region set, and when it wins there and that search proves no bound, its own bound
+    (over plans of regions inside the blocks) is the plan's."""
     chain = chain_of(rmap)
     if chain is None:
         return None
@@ -112,7 +124,7 @@ def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: in
             "inside them)")
     stands = (len(chain.blocks) >= COMPOSED_BLOCKS and composed.priced is not None
               and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP))
-    return composed, stands, name
+    return _Chained(composed, stands, name)
 
 
 def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, bound: float, started: float,

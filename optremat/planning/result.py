@@ -75,6 +75,8 @@ class Plan:
     native plan the memory bound of the step's graph, which holds for every plan the
     native runtime can run; for a compiled plan the solver's, in its planning model (the
     coarsened graph, each op computed at most a few times); None when nothing is proven.
+    A native plan composed from a chain of identical blocks (`solver` says so) is bounded
+    and proven over plans of regions inside those blocks only.
     `loss` says how the loss computed after the model was priced, `cost_model` and `device`
     what priced its ops (a plan made again at another shape is priced alike). A plan for
     a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
