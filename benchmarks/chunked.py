@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import optremat
 from benchmarks.native import LLAMA, _time
 from benchmarks.report import write_rows
-from optremat.bench import checkpointed_blocks, under
+from optremat.bench import checkpointed_blocks, hf_checkpointing, under
 from optremat.core.graph import format_bytes
 from optremat.models import HiddenGPT
 from optremat.runtime.measure import measure_peak
@@ -112,11 +112,8 @@ def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
         return torch.autograd.grad(outputs.loss, params)
 
     def per_block() -> tuple:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        try:
+        with hf_checkpointing(model):
             return step()
-        finally:
-            model.gradient_checkpointing_disable()
 
     return compare(model, inputs, step, step, {"gradient_checkpointing_enable()": ("whole", per_block)},
                    dict(head_chunks=None), {}, rounds, limit)

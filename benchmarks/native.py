@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 import optremat
 from benchmarks.report import keep_compiled, write_rows
-from optremat.bench import checkpointed_blocks, repeated_blocks, torch_budget_backend, under
+from optremat.bench import checkpointed_blocks, hf_checkpointing, repeated_blocks, torch_budget_backend, under
 from optremat.core.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak
@@ -105,11 +105,8 @@ def llama(device: str, kind: str = "llama") -> Case:
         return F.cross_entropy(out.logits.float().view(-1, 8192), labels)
 
     def per_block(step: Callable[[], Any]) -> Any:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        try:
+        with hf_checkpointing(model):
             return step()
-        finally:
-            model.gradient_checkpointing_disable()
 
     return Case(model, (ids,), loss_fn, per_block)
 

@@ -94,6 +94,23 @@ def checkpointed_blocks(model: nn.Module, names: Sequence[str]) -> Iterator[None
             del module.forward
 
 
+@contextlib.contextmanager
+def hf_checkpointing(model: nn.Module) -> Iterator[None]:
+    """transformers' own per-block checkpointing (`gradient_checkpointing_enable`, not
+    reentrant) while the context is open. On exit the model is as it was: disabling
+    leaves behind the input hook enabling added, one more each time, and every hook
+    added is a recompile of a compiled step of the same model."""
+    hooks = model.get_input_embeddings()._forward_hooks
+    before = set(hooks)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        model.gradient_checkpointing_disable()
+        for key in set(hooks) - before:
+            del hooks[key]
+
+
 def torch_budget_backend(budget: float, backend: str = "aot_eager_decomp_partition") -> Callable:
     """A `torch.compile` backend that partitions with `activation_memory_budget=budget`.
 
