@@ -3,6 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optremat import Graph, keep_all, simulate
+from optremat.core.schedule import peak_floor
 from optremat.ilp.bounds import recompute_lower_bound
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain, training_graphs
@@ -76,3 +77,19 @@ def test_the_bound_with_inputs_held_for_recomputation_never_exceeds_the_optimum(
     best = optimum(g, budget)
     if best is not None:
         assert recompute_lower_bound(g, budget) <= best[0] - g.total_cost + 1e-9
+
+
+@settings(max_examples=150)
+@given(graphs(max_nodes=8))
+def test_no_schedule_fits_under_the_peak_floor(g):
+    floor = peak_floor(g)
+    assert floor <= simulate(g, keep_all(g)).peak_bytes
+    assert optimum(g, floor - 1) is None
+
+
+@settings(max_examples=50)
+@given(training_graphs(max_layers=3, unsaved_inputs=True))
+def test_no_schedule_of_a_training_step_fits_under_the_peak_floor(g):
+    floor = peak_floor(g)
+    assert optimum(g, floor - 1) is None
+    assert floor >= int(g.size[g.pinned | g.output].sum())

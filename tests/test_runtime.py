@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optremat
+from optremat.core.schedule import peak_floor
 from optremat.models import GPT, build
 from optremat.planners.regions import Region
 from optremat.runtime.measure import measure_peak
@@ -261,6 +262,21 @@ def test_infeasible_budget_names_the_smallest() -> None:
     assert plan.predicted_peak_bytes == error.value.smallest
     with pytest.raises(optremat.InfeasibleBudget):
         optremat.plan(model, inputs, error.value.smallest - 1, loss_fn=loss_fn, time_limit=5, deterministic=True)
+
+
+def test_a_budget_under_the_peak_floor_is_refused_as_impossible_without_solving() -> None:
+    """Parameters, inputs, gradients and an op's own working set alone exceed the budget:
+    refused before any search, with the floor and a reachable least peak named."""
+    model, inputs, loss_fn = deep_mlp()
+    plan = optremat.plan(model, inputs, 1.0, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    floor = peak_floor(plan.graph)
+    with pytest.raises(optremat.InfeasibleBudget) as error:
+        optremat.plan(model, inputs, floor - 1, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert error.value.floor == floor and error.value.impossible
+    assert error.value.smallest >= floor
+    assert "no plan fits under" in str(error.value) or error.value.proven
+    reached = optremat.plan(model, inputs, error.value.smallest, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert reached.predicted_peak_bytes <= error.value.smallest
 
 
 def test_measured_peak_follows_the_plan(device: str) -> None:

@@ -20,17 +20,27 @@ class InfeasibleBudget(ValueError):
     """No plan fits `budget` bytes; `smallest` is the least peak known to be achievable.
 
     `proven` says whether `smallest` is proven minimal (by an exact solver, within the
-    plans `scope` describes) or only the best a planner reached.
+    plans `scope` describes) or only the best a planner reached; `floor`, when known, is
+    a peak no plan goes below (`peak_floor`), which proves a budget under it impossible
+    without proving `smallest` minimal.
     """
 
-    def __init__(self, budget: int, smallest: int, planner: str, proven: bool = False, scope: str = "") -> None:
+    def __init__(self, budget: int, smallest: int, planner: str, proven: bool = False, scope: str = "",
+                 floor: int | None = None) -> None:
         how = f"smallest feasible budget{scope}" if proven else f"smallest budget {planner} reaches"
+        under = f"; no plan fits under {format_bytes(floor)}" if floor is not None and not proven else ""
         super().__init__(f"budget {format_bytes(budget)} is infeasible for {planner}; "
-                         f"{how}: {format_bytes(smallest)} ({smallest} bytes)")
+                         f"{how}: {format_bytes(smallest)} ({smallest} bytes){under}")
         self.budget = budget
         self.smallest = smallest
         self.planner = planner
         self.proven = proven
+        self.floor = floor
+
+    @property
+    def impossible(self) -> bool:
+        """Whether no plan fits the budget is proven, not only that none was found."""
+        return self.proven or (self.floor is not None and self.budget < self.floor)
 
 
 _NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*")

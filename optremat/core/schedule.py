@@ -344,6 +344,29 @@ def run_peak(graph: Graph, ops: Iterable[int], live: Iterable[int], keep: Iterab
     return peak
 
 
+def peak_floor(graph: Graph) -> int:
+    """A least peak no schedule of `graph` goes below (none writing over its inputs):
+    when a node is computed in its own stage, the parameters, the inputs, the outputs
+    computed so far, the node's inputs and the node itself are live, and its workspace
+    and the runtime's bytes of that stage count too. A budget under it is infeasible
+    without solving anything: the parameters and their gradients of a large model often
+    exceed it alone."""
+    units, size = graph.units, graph.unit_size.tolist()
+    workspace, held, output = graph.workspace.tolist(), graph.held.tolist(), graph.output.tolist()
+    standing = {u for i in np.nonzero(graph.pinned)[0].tolist() for u in units[i]}
+    standing_bytes = sum(size[u] for u in standing)
+    floor = standing_bytes
+    for v in range(graph.n):
+        if graph.pinned[v]:
+            continue
+        live = {u for p in (*graph.preds[v].tolist(), v) for u in units[p]} - standing
+        floor = max(floor, standing_bytes + sum(size[u] for u in live) + workspace[v] + held[v])
+        if output[v]:
+            standing_bytes += sum(size[u] for u in set(units[v]) - standing)
+            standing |= set(units[v])
+    return floor
+
+
 class _Storage:
     """Storage instances and how many live values hold each: a computation of a node that
     owns storage opens fresh instances of its units, an alias holds its base's, and an

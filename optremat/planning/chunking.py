@@ -63,7 +63,7 @@ def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: 
             plan = solve(rmap, share)
         except InfeasibleBudget as error:
             refusals.append(error)
-            if not error.proven:
+            if not error.impossible:
                 found.append((k, None, float("inf"), scale - 1))  # not proven impossible: bound by the step's cost
             continue
         bound = None if plan.lower_bound is None else (1 + plan.lower_bound) * scale - 1
@@ -71,9 +71,11 @@ def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: 
     fitting = [f for f in found if f[1] is not None]
     if not fitting:
         smallest = min(refusals, key=lambda e: e.smallest)
+        floors = [e.floor for e in refusals]
         raise InfeasibleBudget(budget_bytes, smallest.smallest, f"{refusals[0].planner} with the LM head chunked",
                                proven=all(e.proven for e in refusals),
-                               scope=" for plans of module regions and LM head chunks")
+                               scope=" for plans of module regions and LM head chunks",
+                               floor=None if None in floors else min(floors))
     least = min(f[2] for f in fitting)
     k, plan, overhead, _ = next(f for f in fitting if f[2] <= least + ROUNDING)  # `tried` lists fewer chunks first
     bounds = [b for _, _, _, b in found]

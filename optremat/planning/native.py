@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.coarsen import coarsen
-from optremat.core.schedule import keep_all, kept_for_backward, simulate
+from optremat.core.schedule import keep_all, kept_for_backward, peak_floor, simulate
 from optremat.core.sharding import FSDP, Parallel, per_rank, unit_of
 from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
 from optremat.ilp.bounds import solver_floor
@@ -58,18 +58,23 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     memory bound of the step's own graph stands in. OPTIMAL when the plan meets it. A
     chain of identical blocks is first solved once per block and composed (`_composed`):
     from COMPOSED_BLOCKS blocks that plan, within COMPOSED_GAP of its bound, is the plan;
-    otherwise it is one more seed."""
+    otherwise it is one more seed. A budget under the step's `peak_floor` is refused
+    before any solving, with the least peak the seeds reach."""
     graph = rmap.graph
     total = graph.total_cost
     composing = time.perf_counter()
+    floor = peak_floor(graph)
+    if budget_bytes < floor:
+        seeds = search(rmap, budget_bytes, None)
+        raise _infeasible(rmap, budget_bytes, seeds, solver, _left(time_limit, composing, deterministic), workers,
+                          seed, deterministic, floor)
     composed = _composed(rmap, budget_bytes, time_limit, workers, seed, deterministic)
     if composed is not None and composed.stands:
         if progress is not None:
             progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
         return _plan_of(rmap, composed.result.priced, budget_bytes, composed.name, composed.result.bound, started)
-    if not deterministic:
-        time_limit = max(time_limit - (time.perf_counter() - composing), LEAST_SECONDS)
-    kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, time_limit, workers, seed, deterministic)
+    kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, _left(time_limit, composing, deterministic),
+                                         workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
     if composed is not None and composed.result.priced is not None:
         candidates.append(composed.result.priced)
@@ -77,14 +82,16 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
         progress(time.perf_counter() - started, min(c.cost for c in fitting), total)
-    exact = solve_regions(rmap, rmap.candidates(), budget_bytes, time_limit, workers=workers, seed=seed,
+    searching = _left(time_limit, composing, deterministic)
+    exact = solve_regions(rmap, rmap.candidates(), budget_bytes, searching, workers=workers, seed=seed,
                           deterministic=deterministic, hint=hint)
     candidates += [exact.priced] if exact.priced is not None else []
-    bound = exact.bound if exact.bound is not None else total + solver_floor(graph, budget_bytes, time_limit,
+    bound = exact.bound if exact.bound is not None else total + solver_floor(graph, budget_bytes, searching,
                                                                             share=False)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting:
-        raise _infeasible(rmap, budget_bytes, candidates, solver, time_limit, workers, seed, deterministic)
+        raise _infeasible(rmap, budget_bytes, candidates, solver, _left(time_limit, composing, deterministic),
+                          workers, seed, deterministic, floor)
     best: Priced = min(fitting, key=lambda c: c.cost)
     scoped = (composed is not None and best is composed.result.priced and exact.bound is None
               and math.isfinite(composed.result.bound))
@@ -96,6 +103,12 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     name = composed.name if scoped else coarse_solution.solver if coarse else best.source
     return _plan_of(rmap, best, budget_bytes, name, bound, started,
                     coarse_solution.cost / total - 1 if coarse else best.overhead)
+
+
+def _left(time_limit: float, since: float, deterministic: bool) -> float:
+    """What is left of `time_limit` (wall-clock seconds) `since`, at least LEAST_SECONDS; a
+    deterministic limit is work, not time, and stays as it is."""
+    return time_limit if deterministic else max(time_limit - (time.perf_counter() - since), LEAST_SECONDS)
 
 
 class _Chained(NamedTuple):
@@ -143,15 +156,15 @@ def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, boun
 
 
 def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], solver: str, time_limit: float,
-                workers: int, seed: int, deterministic: bool) -> InfeasibleBudget:
+                workers: int, seed: int, deterministic: bool, floor: int) -> InfeasibleBudget:
     """The error for a budget no region plan fits, naming the least peak of any region
-    plan (proven when the search ends)."""
+    plan (proven when the search ends, or when it meets `floor`)."""
     least, proven = least_peak(rmap, rmap.candidates(), time_limit, workers=workers, seed=seed,
                                deterministic=deterministic)
     smallest = min([c.result.peak_bytes for c in candidates] + [least.result.peak_bytes])
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime",
-                            proven=proven and smallest == least.result.peak_bytes,
-                            scope=" for plans of module regions")
+                            proven=(proven and smallest == least.result.peak_bytes) or smallest == floor,
+                            scope=" for plans of module regions", floor=floor)
 
 
 def _coarse_kept(rmap: RegionMap, budget_bytes: int, solver: str, time_limit: float, workers: int, seed: int,
