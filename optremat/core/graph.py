@@ -189,6 +189,11 @@ class Graph:
     def succs(self) -> tuple[np.ndarray, ...]:
         return self._adjacency(0, 1)
 
+    @cached_property
+    def pred_lists(self) -> tuple[tuple[int, ...], ...]:
+        """`preds` as Python ints, for the simulator's per-node loops."""
+        return tuple(tuple(p.tolist()) for p in self.preds)
+
     def _adjacency(self, key: int, value: int) -> tuple[np.ndarray, ...]:
         lists: list[list[int]] = [[] for _ in range(self.n)]
         for edge in self.edges:

@@ -359,7 +359,7 @@ def peak_floor(graph: Graph) -> int:
     for v in range(graph.n):
         if graph.pinned[v]:
             continue
-        live = {u for p in (*graph.preds[v].tolist(), v) for u in units[p]} - standing
+        live = {u for p in (*graph.pred_lists[v], v) for u in units[p]} - standing
         floor = max(floor, standing_bytes + sum(size[u] for u in live) + workspace[v] + held[v])
         if output[v]:
             standing_bytes += sum(size[u] for u in set(units[v]) - standing)
@@ -428,7 +428,7 @@ class _Run:
         n = graph.n
         self.share = share
         self.nodes, self.untils = schedule.node.tolist(), schedule.until.tolist()
-        self.preds = graph.preds
+        self.preds = graph.pred_lists
         self.workspace = graph.workspace.tolist()
         self.held = graph.held.tolist()
         self.runtime_held = schedule.held.tolist()
@@ -449,7 +449,7 @@ class _Run:
         untils = self.untils[lo:hi]
         last_use: dict[int, int] = {}
         for pos, k in enumerate(nodes):
-            for p in self.preds[k].tolist():
+            for p in self.preds[k]:
                 last_use[p] = pos
         self.late = self._kept_through(s, lo, nodes, last_use)
         self.storage.at = lo
@@ -476,7 +476,7 @@ class _Run:
     def _compute(self, k: int, u: int, s: int, event: int, pos: int, last_use: dict[int, int]) -> None:
         """Computation `event` of node k in stage s, kept until stage u, then what dies with it."""
         live_until, storage, resident = self.live_until, self.storage, self.resident
-        preds = self.preds[k].tolist()
+        preds = self.preds[k]
         for p in preds:
             if live_until[p] < s:
                 raise InvalidSchedule(f"input node {p} is not live", s, k)

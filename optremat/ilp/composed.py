@@ -4,7 +4,8 @@ Solving 32 copies of one transformer block jointly from scratch is the same work
 times. Here one block (the middle one) is solved on its own: for a grid of caps on what
 it may hold at the step's busiest moment between the forwards and the backwards (the
 anchor, where every block holds what it saved), the cheapest plan of regions inside it,
-with CP-SAT's proof (`_frontier`). Each plan found is an option, priced once on the
+with CP-SAT's proof (`_Frontiers`). The plans of the cells the bound's least choice
+takes (below), and of their neighbours, are the options, each priced once on the
 simulator with every other block unplanned (`_profile`): its extra seconds, the peaks of
 the block's own forward and backward, and what it adds to (or frees from) every other
 segment of the step (`Chain.relation`), which is the same for every block of the chain. A
@@ -47,8 +48,10 @@ CELLS = 64
 """Caps on a block's bytes at one event solved for its frontier, evenly from the least
 any plan of the block holds there to what the unplanned block holds."""
 OPTIONS = 24
-"""The most plans of one frontier offered to the composition."""
-COMPOSE_SECONDS = 3.0
+"""The most plans of one frontier offered to the composition when its knapsack (the
+bound) is not solved; when it is, the plans of the cells it chose and of their
+neighbours are (each option costs a simulation of the whole step to profile)."""
+COMPOSE_SECONDS = 1.0
 """The most seconds (or deterministic time) the choice of one option per block takes."""
 OWN_PHASES = (FORWARD, BACKWARD)
 
@@ -75,6 +78,17 @@ class Composed:
     priced: Priced | None
     bound: float
     options: tuple[Option, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _Cell:
+    """The plans of a block holding at `least` bytes at a frontier's event (beyond the
+    unplanned block's) and up to the cell's cap: each costs at least `cost` extra
+    seconds; `plan` is the cheapest under the cap (None when none was found)."""
+
+    least: int
+    cost: float
+    plan: tuple[Region, ...] | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,10 +121,10 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     found: list[tuple[Region, ...]] = []
     bound = _relaxed(chain, timeline, frontiers, timeline.anchor, budget, found)
     profiled: dict[tuple[Region, ...], Option | None] = {}
-    options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None)
+    options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None, polish=False)
     if priced is not None:
         bound = max(bound, _relaxed(chain, timeline, frontiers, _peak_stage(priced), budget, found))
-        options, picked, again = _round(chain, timeline, found, profiled, budget, limits, picked)
+        options, picked, again = _round(chain, timeline, found, profiled, budget, limits, picked, polish=True)
         priced = min([p for p in (priced, again) if p is not None], key=lambda p: p.cost)
     bound += chain.rmap.graph.total_cost
     if priced is not None and bound > priced.cost * (1 + 1e-9):
@@ -120,12 +134,13 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
 
 def _round(chain: Chain, timeline: _Timeline, found: list[tuple[Region, ...]],
            profiled: dict[tuple[Region, ...], Option | None], budget: int, limits: tuple,
-           hint: list[Option] | None) -> tuple[list[Option], list[Option] | None, Priced | None]:
+           hint: list[Option] | None, polish: bool) -> tuple[list[Option], list[Option] | None, Priced | None]:
     """The plans `found` so far profiled (once each, into `profiled`) as options, the
-    options no other beats, the choice per block composed from them, and its plan."""
+    options no other beats, the choice per block composed from them (with `polish`,
+    improved by CP-SAT), and its plan."""
     profiled.update((r, _profile(chain, timeline, r)) for r in dict.fromkeys([(), *found]) if r not in profiled)
     options = _pareto([o for o in profiled.values() if o is not None])
-    picked = _compose(chain, timeline, options, budget, *limits, hint)
+    picked = _compose(chain, timeline, options, budget, *limits, hint, polish)
     return options, picked, None if picked is None else _priced(chain, timeline, picked, budget)
 
 
@@ -172,7 +187,7 @@ class _Frontiers:
 
     def __init__(self, model: RegionModel, timeline: _Timeline, limits: tuple) -> None:
         self.model, self.timeline, self.limits = model, timeline, limits
-        self._cells: dict[int, tuple[list[tuple[Region, ...]], list[tuple[int, float]] | None]] = {}
+        self._cells: dict[int, list[_Cell] | None] = {}
         self._least: dict[int, int | None] = {}
 
     def least(self, stage: int) -> int | None:
@@ -186,47 +201,50 @@ class _Frontiers:
             self._least[stage] = math.floor(solver.best_objective_bound) - int(self.timeline.curve[stage]) if ok else None
         return self._least[stage]
 
-    def cells(self, stage: int) -> tuple[list[tuple[Region, ...]], list[tuple[int, float]] | None]:
-        """The plans found (`_spread`), and per cell its least bytes at `stage` beyond the
-        unplanned block's and the least extra cost of any plan in it (None when the least
-        bytes were not found in time; past the time limit the rest is one cell costing 0)."""
+    def cells(self, stage: int) -> list[_Cell] | None:
+        """The grid's cells at `stage`, by their least bytes (None when the least bytes
+        were not found in time; past the time limit the rest is one cell costing 0)."""
         if stage not in self._cells:
             self._cells[stage] = self._solve_cells(stage)
         return self._cells[stage]
 
-    def _solve_cells(self, stage: int) -> tuple[list[tuple[Region, ...]], list[tuple[int, float]] | None]:
+    def _solve_cells(self, stage: int) -> list[_Cell] | None:
         """The cheapest plan under each of CELLS caps, evenly from the least bytes any
         plan holds at `stage` to what the unplanned block holds; each cap's cell holds the
         plans above the cap before it, which cost at least what the cheapest under its own
         cap costs."""
         model, lowest = self.model, self.least(stage)
         if lowest is None:
-            return [], None
+            return None
         row, unplanned = model.row(stage, stage, OWN), int(self.timeline.curve[stage])
-        found, cells, below = [], [], lowest
+        cells, below = [], lowest
         for cap in sorted({int(c) for c in np.linspace(lowest, 0, CELLS)}):
             if not self.limits[3] and time.perf_counter() - self.limits[4] > self.limits[0]:
-                cells.append((below, 0.0))
                 break
             cp = _Cp(model, unplanned + cap)
             cp.add_rows([row])
             status, solver = _solve(cp, *self.limits)
             if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                found.append(model.regions({atom: bool(solver.value(var)) for atom, var in cp.var.items()}))
-                cells.append((below, cp.cost_of(solver.best_objective_bound) - model.graph.total_cost))
+                plan = model.regions({atom: bool(solver.value(var)) for atom, var in cp.var.items()})
+                cells.append(_Cell(below, cp.cost_of(solver.best_objective_bound) - model.graph.total_cost, plan))
             elif status != cp_model.INFEASIBLE:
-                cells.append((below, 0.0))
+                cells.append(_Cell(below, 0.0, None))
             below = cap + 1
-        cells.append((below, 0.0))
-        return _spread(list(dict.fromkeys(found))), cells
+        cells.append(_Cell(below, 0.0, None))
+        return cells
 
 
-def _spread(plans: list[tuple[Region, ...]]) -> list[tuple[Region, ...]]:
-    """At most OPTIONS of `plans`, evenly spaced along them, the first and last included:
-    each option costs a simulation of the whole step to profile."""
-    if len(plans) <= OPTIONS:
-        return plans
-    return [plans[round(i * (len(plans) - 1) / (OPTIONS - 1))] for i in range(OPTIONS)]
+def _near(cells: list[_Cell], chosen: list[int] | None) -> list[tuple[Region, ...]]:
+    """The plan holding the least and the plans of the cells `chosen` and of their
+    neighbours; at most OPTIONS of every plan, evenly spaced, when none are chosen."""
+    plans = [cell.plan for cell in cells]
+    if chosen is None:
+        found = list(dict.fromkeys(p for p in plans if p is not None))
+        if len(found) <= OPTIONS:
+            return found
+        return [found[round(i * (len(found) - 1) / (OPTIONS - 1))] for i in range(OPTIONS)]
+    near = {0} | {j for i in chosen for j in (i - 1, i, i + 1) if 0 <= j < len(cells)}
+    return list(dict.fromkeys(plans[j] for j in sorted(near) if plans[j] is not None))
 
 
 def _peak_stage(priced: Priced) -> int:
@@ -259,12 +277,14 @@ def _relaxed(chain: Chain, timeline: _Timeline, frontiers: _Frontiers, stage: in
             groups[aligned] = groups.get(aligned, 0) + 1
     menus = []
     for aligned, count in groups.items():
-        plans, cells = frontiers.cells(aligned)
-        found.extend(p for p in plans if p not in found)
+        cells = frontiers.cells(aligned)
         if cells is None:
             return -math.inf
         menus.append((count, cells))
-    return _bound(menus, room)
+    bound, chosen = _bound([(count, [(c.least, c.cost) for c in cells]) for count, cells in menus], room)
+    for (_, cells), cells_chosen in zip(menus, chosen or [None] * len(menus)):
+        found.extend(p for p in _near(cells, cells_chosen) if p not in found)
+    return bound
 
 
 def _aligned(chain: Chain, timeline: _Timeline, segment: Segment, stage: int, block: int) -> int | None:
@@ -322,16 +342,23 @@ def _pareto(options: list[Option]) -> list[Option]:
 
 
 def _compose(chain: Chain, timeline: _Timeline, options: list[Option], budget: int, time_limit: float,
-             workers: int, seed: int, deterministic: bool, hint: list[Option] | None) -> list[Option] | None:
+             workers: int, seed: int, deterministic: bool, hint: list[Option] | None,
+             polish: bool) -> list[Option] | None:
     """One option per block, every segment within `budget`, the cheapest found in
-    `time_limit` from `hint` (else from `_chained`'s choice, or the cheapest option every
-    block can take); None when no choice fits. CP-SAT finds the best choice in well under a second on 32
+    `time_limit` from the cheaper of `hint` and `_chained`'s choice (or the cheapest option
+    every block can take; without `polish` that choice itself, when there is one, which is
+    within a few hundredths of a point of the polished one on Llama-7B shapes); None
+    when no choice fits. CP-SAT finds the best choice in well under a second on 32
     Llama-7B blocks but does not prove it in 30 s (0.07% from its bound); the plan's proof
     is the knapsack's (`_relaxed`), not this search's. On 80 Llama-70B blocks it finds no
     choice at all in 3 s without a complete hint."""
     relations = set(options[0].held)
-    if hint is None or not all(o in options for o in hint):
-        hint = _chained(chain, timeline, options, budget) or _uniform(chain, timeline, options, budget)
+    given = hint if hint is not None and all(o in options for o in hint) else None
+    choices = [c for c in (given, _chained(chain, timeline, options, budget)) if c is not None]
+    hint = (min(choices, key=lambda c: sum(o.extra for o in c)) if choices
+            else _uniform(chain, timeline, options, budget))
+    if hint is not None and not polish:
+        return hint
     cp = cp_model.CpModel()
     blocks = range(len(chain.blocks))
     pick = [[cp.new_bool_var(f"y{k}_{i}") for i in range(len(options))] for k in blocks]
@@ -445,23 +472,28 @@ def _peak(chain: Chain, timeline: _Timeline, picked: list[Option]) -> int:
     return peak
 
 
-def _bound(menus: list[tuple[int, list[tuple[int, float]]]], room: int) -> float:
+def _bound(menus: list[tuple[int, list[tuple[int, float]]]], room: int) -> tuple[float, list[list[int]] | None]:
     """The least extra cost of blocks in groups (how many, the cells they choose from:
-    each cell's least bytes and least extra cost) whose bytes sum to at most `room`;
-    infinite if none fits, -inf when not solved."""
+    each cell's least bytes and least extra cost) whose bytes sum to at most `room`
+    (infinite if none fits, -inf when not solved), and per group the cells the least
+    choice takes (None when none is known)."""
     cp = cp_model.CpModel()
     unit = max((extra for _, cells in menus for _, extra in cells), default=0.0) / 1e12 or 1.0
-    used, cost = [], []
+    used, cost, counted = [], [], []
     for count, cells in menus:
         counts = [cp.new_int_var(0, count, "") for _ in cells]
         cp.add(sum(counts) == count)
         used += [lo * n for (lo, _), n in zip(cells, counts)]
         cost += [math.floor(extra / unit) * n for (_, extra), n in zip(cells, counts)]
+        counted.append(counts)
     cp.add(sum(used) <= room)
     cp.minimize(sum(cost))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     status = solver.solve(cp)
     if status == cp_model.INFEASIBLE:
-        return math.inf
-    return solver.best_objective_bound * unit if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else -math.inf
+        return math.inf, None
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return -math.inf, None
+    chosen = [[i for i, n in enumerate(counts) if solver.value(n) > 0] for counts in counted]
+    return solver.best_objective_bound * unit, chosen
