@@ -589,6 +589,19 @@ def search(rmap: RegionMap, budget: int, solver_kept: np.ndarray | None) -> list
     return found
 
 
+def whole_calls(rmap: RegionMap) -> list[Priced]:
+    """Per structure, every call of it checkpointed whole: the least peaks region plans
+    reach without a search (one simulation each), for naming the least peak when a
+    budget is refused anyway."""
+    found = []
+    for structure in rmap.structures():
+        try:
+            found.append(_whole(rmap, structure, len(structure)))
+        except InvalidSchedule:
+            continue
+    return found
+
+
 def _seeds(rmap: RegionMap, structure: tuple[Call, ...], budget: int, order: np.ndarray,
            solver_kept: np.ndarray | None) -> list[Priced]:
     """The region plans of one structure that `search` seeds the exact search with."""

@@ -27,7 +27,7 @@ from optremat.ilp.composed import Composed, solve_chain
 from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.search import LEAST_SECONDS
 from optremat.planners.chain import chain_of
-from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search
+from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search, whole_calls
 from optremat.planners.solve import solve
 from optremat.planning.result import Chunking, Plan, loss_note
 from optremat.tracing.causal_lm import own_chunks, own_head, running
@@ -59,22 +59,21 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     chain of identical blocks is first solved once per block and composed (`_composed`):
     from COMPOSED_BLOCKS blocks that plan, within COMPOSED_GAP of its bound, is the plan;
     otherwise it is one more seed. A budget under the step's `peak_floor` is refused
-    before any solving, with the least peak the seeds reach."""
+    without searching for a plan that fits, naming the least peak found in the time."""
     graph = rmap.graph
     total = graph.total_cost
     composing = time.perf_counter()
     floor = peak_floor(graph)
     if budget_bytes < floor:
-        seeds = search(rmap, budget_bytes, None)
-        raise _infeasible(rmap, budget_bytes, seeds, solver, _left(time_limit, composing, deterministic), workers,
-                          seed, deterministic, floor)
+        raise _under_floor(rmap, budget_bytes, floor, solver, _left(time_limit, composing, deterministic), workers,
+                           seed, deterministic)
     composed = _composed(rmap, budget_bytes, time_limit, workers, seed, deterministic)
     if composed is not None and composed.stands:
         if progress is not None:
             progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
         return _plan_of(rmap, composed.result.priced, budget_bytes, composed.name, composed.result.bound, started)
-    kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, _left(time_limit, composing, deterministic),
-                                         workers, seed, deterministic)
+    searching = _left(time_limit, composing, deterministic)
+    kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, searching, workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
     if composed is not None and composed.result.priced is not None:
         candidates.append(composed.result.priced)
@@ -82,16 +81,15 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
         progress(time.perf_counter() - started, min(c.cost for c in fitting), total)
-    searching = _left(time_limit, composing, deterministic)
     exact = solve_regions(rmap, rmap.candidates(), budget_bytes, searching, workers=workers, seed=seed,
                           deterministic=deterministic, hint=hint)
     candidates += [exact.priced] if exact.priced is not None else []
-    bound = exact.bound if exact.bound is not None else total + solver_floor(graph, budget_bytes, searching,
-                                                                            share=False)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting:
         raise _infeasible(rmap, budget_bytes, candidates, solver, _left(time_limit, composing, deterministic),
                           workers, seed, deterministic, floor)
+    bound = exact.bound if exact.bound is not None else total + solver_floor(graph, budget_bytes, searching,
+                                                                            share=False)
     best: Priced = min(fitting, key=lambda c: c.cost)
     scoped = (composed is not None and best is composed.result.priced and exact.bound is None
               and math.isfinite(composed.result.bound))
@@ -164,6 +162,21 @@ def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], so
     smallest = min([c.result.peak_bytes for c in candidates] + [least.result.peak_bytes])
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime",
                             proven=(proven and smallest == least.result.peak_bytes) or smallest == floor,
+                            scope=" for plans of module regions", floor=floor)
+
+
+def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, solver: str, time_limit: float, workers: int,
+                 seed: int, deterministic: bool) -> InfeasibleBudget:
+    """The error for a budget under the step's floor: the least peak of every call of a
+    structure checkpointed whole, and on a step without a chain of COMPOSED_BLOCKS blocks
+    the least peak the exact search finds (on a 70B model's step its model alone takes
+    longer to build than a usual time limit)."""
+    seeds = whole_calls(rmap)
+    chain = chain_of(rmap)
+    if not seeds or chain is None or len(chain.blocks) < COMPOSED_BLOCKS:
+        return _infeasible(rmap, budget_bytes, seeds, solver, time_limit, workers, seed, deterministic, floor)
+    smallest = min(c.result.peak_bytes for c in seeds)
+    return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime", proven=smallest == floor,
                             scope=" for plans of module regions", floor=floor)
 
 
