@@ -177,6 +177,29 @@ def test_gpt_small_extracts_on_fake_tensors():
     assert simulate(g, keep_all(g)).peak_bytes > 4 * 2**30
 
 
+def test_profiling_costs_leaves_the_model_as_it_was():
+    """Timing each op runs the step on the model's tensors: batch norm's running
+    statistics, written in place, must not move."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 4))
+    x = torch.randn(4, 3, 8, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    extract(model, (x,), lambda out: out.exp_().sum(), cost_model="profile")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_in_place_matmul_costs_what_the_matmul_costs():
+    """`addmm_` (a chunked loss accumulating its weight gradient) multiplies as `addmm` does."""
+    from optremat.tracing.costs import op_flops
+
+    aten = torch.ops.aten
+    c, a, b = torch.zeros(64, 32), torch.randn(64, 128), torch.randn(128, 32)
+    flops = op_flops(aten.addmm.default, (c, a, b), {}, c)
+    assert flops == 2 * 64 * 128 * 32
+    assert op_flops(aten.addmm_.default, (c, a, b), {}, c) == flops
+
+
 def test_the_cost_profile_follows_the_device(monkeypatch):
     """Plans for a model on a GPU are priced with that GPU's profile, and a GPU without
     one is priced as an H100 with a warning that says so."""

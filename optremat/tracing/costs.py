@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -101,6 +101,9 @@ def op_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of one aten op from PyTorch's flop formulas; 0 for ops it has none for."""
     packet = getattr(target, "overloadpacket", None)
     packet = _SAME_FLOPS_AS.get(packet, packet)
+    name = getattr(packet, "__name__", "")
+    if packet not in flop_registry and name.endswith("_"):  # in place: `addmm_` multiplies as `addmm` does
+        packet = getattr(aten, name[:-1], packet)
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
@@ -174,15 +177,16 @@ def workspace_bytes(node: torch.fx.Node) -> int:
 class _OpTimer(torch.fx.Interpreter):
     """Runs a traced step on real tensors, timing each op (best of `repeats`)."""
 
-    def __init__(self, module: torch.fx.GraphModule, repeats: int) -> None:
+    def __init__(self, module: torch.fx.GraphModule, repeats: int, once: Callable[[torch.fx.Node], bool]) -> None:
         super().__init__(module)
-        self.repeats = repeats
+        self.repeats, self.once = repeats, once
+        self.writes = False
         self.seconds: dict[str, float] = {}
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         best = float("inf")
         result = None
-        for _ in range(self.repeats):
+        for _ in range(1 if self.writes else self.repeats):
             _synchronize(args)
             start = time.perf_counter()
             result = super().call_function(target, args, kwargs)
@@ -192,7 +196,7 @@ class _OpTimer(torch.fx.Interpreter):
         return result
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        self.current_node = n.name
+        self.current_node, self.writes = n.name, self.once(n)
         return super().run_node(n)
 
 
@@ -203,9 +207,12 @@ def _synchronize(value: Any) -> None:
             return
 
 
-def profile_costs(module: torch.fx.GraphModule, real_args: list[Any], repeats: int = 3) -> dict[str, float]:
-    """Measured seconds per op node name, from running `module` on `real_args`."""
-    timer = _OpTimer(module, repeats)
+def profile_costs(module: torch.fx.GraphModule, real_args: list[Any], repeats: int = 3,
+                  once: Callable[[torch.fx.Node], bool] = lambda node: False) -> dict[str, float]:
+    """Measured seconds per op node name, from running `module` on `real_args`; the ops
+    `once` names (those writing into what they are given) run once: run again, they
+    would work on what their last run wrote (an `exp_` three times overflows)."""
+    timer = _OpTimer(module, repeats, once)
     with torch.no_grad():
         timer.run(*real_args)
     return timer.seconds

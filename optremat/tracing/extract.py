@@ -549,8 +549,10 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
 
 
 def _costs(gm: torch.fx.GraphModule, args: tuple, cost_model: str, profile: DeviceProfile) -> dict[str, float]:
-    if cost_model == "profile":
-        return profile_costs(gm, tree_leaves(args))
+    if cost_model == "profile":  # on copies of what the step writes into: buffers, inputs
+        params, buffers, inputs, grad_outputs = args
+        copies = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (buffers, inputs))
+        return profile_costs(gm, tree_leaves((params, *copies, grad_outputs)), once=lambda n: bool(mutated_inputs(n)))
     return {n.name: roofline_cost(n, profile) for n in gm.graph.nodes if n.op == "call_function"}
 
 
