@@ -37,7 +37,7 @@ from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, hf_checkpointing, under
 from optremat.core.graph import format_bytes
 from optremat.models import HiddenGPT
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_peak, resident_bytes
 
 HEADER = ["method", "budget", "head", "module calls checkpointed", "predicted peak", "measured peak",
           "measured / predicted", "predicted overhead", "measured overhead (median)", "plan s"]
@@ -68,12 +68,19 @@ def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tens
 
 
 def gpt_mini(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
-    """gpt-mini returning hidden states, its loss a `CausalLMLoss`, against per-block
-    checkpointing with the whole head and with PyTorch's chunked loss."""
+    """gpt-mini returning hidden states (`gpt`)."""
+    return gpt(SHAPE, BATCH, rounds, limit)
+
+
+def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
+        dtype: torch.dtype = torch.float32, fractions: tuple[float, ...] = (0.85, 0.7, 0.55)
+        ) -> tuple[list[str], list[list[str]]]:
+    """`HiddenGPT` of `shape` on `device` in `dtype`, its loss a `CausalLMLoss`, against
+    per-block checkpointing with the whole head and with PyTorch's chunked loss."""
     torch.manual_seed(0)
-    model = HiddenGPT(**SHAPE)
-    idx = torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq"]))
-    labels = torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq"]))
+    model = HiddenGPT(**shape).to(device, dtype)
+    idx = torch.randint(0, shape["vocab"], (batch, shape["seq"]), device=device)
+    labels = torch.randint(0, shape["vocab"], (batch, shape["seq"]), device=device)
     whole, auto = optremat.CausalLMLoss(model.head, labels, chunks=None), optremat.CausalLMLoss(model.head, labels)
     params = list(model.parameters())
 
@@ -82,7 +89,7 @@ def gpt_mini(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
 
     def per_block(step: Step) -> Step:
         def run() -> tuple:
-            with checkpointed_blocks(model, [f"blocks.{i}" for i in range(SHAPE["layers"])]):
+            with checkpointed_blocks(model, [f"blocks.{i}" for i in range(shape["layers"])]):
                 return step()
         return run
 
@@ -90,7 +97,7 @@ def gpt_mini(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
              "per-block checkpoint + F.linear_cross_entropy": (
                  "LinearCrossEntropyOptions()", per_block(step_of(torch_chunked(model.head, labels))))}
     return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole), dict(loss_fn=auto),
-                   rounds, limit)
+                   rounds, limit, device, fractions)
 
 
 def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
@@ -120,18 +127,19 @@ def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
 
 
 def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers: dict[str, tuple[str, Step]],
-            whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float
-            ) -> tuple[list[str], list[list[str]]]:
+            whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float, device: str = "cpu",
+            fractions: tuple[float, ...] = (0.85, 0.7, 0.55)) -> tuple[list[str], list[list[str]]]:
     """The least peaks of region plans with the whole head (`whole`: plan()'s options
     for it) and with its chunks priced (`auto`), and the rows: the `unplanned` step, each
     of `peers` (its head, its step; the first one's measured peak sets the budgets), and
-    optremat's plans (`planned` run with each installed) at that peak and 85%, 70% and 55% of it."""
+    optremat's plans (`planned` run with each installed) at that peak and `fractions` of it,
+    every peak measured on `device`."""
     params = list(model.parameters())
     resident = [params, list(model.buffers()), inputs]
 
     def measured(run: Step) -> int:
         run()
-        return measure_peak(run, resident=resident).peak_bytes
+        return measure_peak(run, resident=resident, device=device).peak_bytes
 
     methods: dict[str, tuple[Step | None, dict[str, str]]] = {
         "unplanned": (unplanned, {"method": "unplanned", "head": "whole",
@@ -140,15 +148,16 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers
         methods[name] = (run, {"method": name, "head": head, "measured peak": format_bytes(measured(run))})
     peer_peak = measured(next(iter(peers.values()))[1])
     floors = []
+    held = resident_bytes(resident) + sum(p.numel() * p.element_size() for p in params) + 64  # and the gradients
     for name, options in (("whole head", whole), ("chunks priced", auto)):
-        try:  # a budget no plan meets, above the parameters and gradients every step holds
-            optremat.plan(model, inputs, int(peer_peak * 0.3), time_limit=limit, **options)
+        try:  # a budget no plan meets, above the parameters, inputs and gradients every step holds
+            optremat.plan(model, inputs, max(int(peer_peak * 0.3), held), time_limit=limit, **options)
         except optremat.InfeasibleBudget as error:
             floors.append(f"least peak of any region plan, {name}: {format_bytes(error.smallest)}"
                           f"{' (proven)' if error.proven else ''}")
     peer = next(iter(peers))
     for label, budget in [(f"= {peer}", peer_peak)] + [(f"{f:.0%} of {peer}", int(peer_peak * f))
-                                                       for f in (0.85, 0.7, 0.55)]:
+                                                       for f in fractions]:
         started = time.perf_counter()
         try:
             plan = optremat.plan(model, inputs, budget, time_limit=limit, **auto)
@@ -167,7 +176,7 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers
             "predicted peak": format_bytes(plan.predicted_peak_bytes), "measured peak": format_bytes(peak),
             "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
             "predicted overhead": f"{plan.predicted_overhead:+.1%}", "plan s": f"{seconds:.1f}"})
-    _time(methods, rounds, "cpu")
+    _time(methods, rounds, device)
     return floors, [[fields.get(column, "-") for column in HEADER] for _, fields in methods.values()]
 
 

@@ -45,10 +45,14 @@ NOTES = [
     "Reading the table. A `composed` row's bound is over plans of regions inside the decoder layers (the "
     "head, the final norm and the embedding are not checkpointed by any plan it covers); a `cpsat-regions` "
     "row's bound is over every region plan (the search over every region set proved it, seeded with the "
-    "composed plan: below 16 layers that search still runs). An infeasible budget is below the least peak "
-    "of any region plan (parameters, gradients and the loss's logits alone exceed 30% or 50% of the 13B and "
-    "70B steps); finding that least peak is the search over every region set with the peak as objective, "
-    "hence the longer times of those rows.",
+    "composed plan: below 16 layers that search still runs, and finds plans the composition's scope leaves "
+    "out, such as the 8-layer 7B's at 50%). An infeasible budget is below the least peak of any region plan. "
+    "Most are below the step's floor (`optremat.core.schedule.peak_floor`: parameters, inputs, gradients made "
+    "so far and one op's working set, 26.24 GiB for the 7B, 49.64 GiB for the 13B), which proves them "
+    "impossible before any search; the least peak named is then that of every layer checkpointed whole, or "
+    "on the 8- and 16-layer shapes the exact least-peak search's. The 13B at 50% lies between its floor and "
+    "its least peak (50.15 GiB): the composition and the search over every region set run and find nothing, "
+    "hence its longer time.",
     "",
     "Before the composition, `plan()` on the 32-layer 7B shape at 4096 tokens (sdpa attention priced as the "
     "math kernel) returned +24.42% against a bound of +4.71% after 94 s at half the unplanned peak.",

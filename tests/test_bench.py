@@ -3,13 +3,16 @@ optremat is measured at each peer's peak."""
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from test_cli import run
 
 from optremat.bench import PLANNERS, checkpointed_blocks, compare, repeated_blocks, torch_budget_backend
 from optremat.models import build
-from test_cli import run
 
 
 def grads(module, model, inputs, loss_fn):
@@ -85,3 +88,16 @@ def test_bench_command_simulated_table_as_json(tmp_path):
 def test_bench_command_rejects_bad_budgets(flag):
     result = run("bench", "--model", "mlp-tiny", "--no-measure", *flag)
     assert result.returncode == 2 and "error" in result.stderr
+
+
+def test_the_gpu_benchmark_runs_its_smoke_configuration_on_the_cpu():
+    """`python -m benchmarks.gpu --smoke`: both dtypes' rows, optremat's plan at per-block
+    checkpointing's peak measured (or refused, naming the smallest budget)."""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke"], cwd=root, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if " | " in line]
+    for dtype in ("bfloat16", "float32"):
+        ours = [row for row in rows if row[0] == dtype and row[1] == "optremat"]
+        assert len(ours) == 1 and (ours[0][6] != "-" or ours[0][5].startswith("infeasible"))

@@ -1,0 +1,69 @@
+"""The GPU benchmark: the LM head chunked by the plan, on CUDA, in bfloat16 and float32.
+
+    python -m benchmarks.gpu [--rounds 9] [--limit 10] [--smoke]
+
+gpt-small (GPT-2 small's shape: vocabulary 50257, 1024 tokens, width 768, 12 blocks, 12
+heads, batch 4) returning its final hidden states, its loss `optremat.CausalLMLoss` over
+its tied head, on one CUDA device, in bfloat16 and in float32, with the rows of
+`benchmarks.chunked`: the unplanned step with the whole head; per-block checkpointing
+(non-reentrant `torch.utils.checkpoint` around every block) with the whole head, and with
+the head and loss in PyTorch's `F.linear_cross_entropy` under its default options;
+optremat planned with `chunks="auto"` at per-block checkpointing's measured peak and at
+70% and 50% of it; above each table, the least peak of any region plan with the whole
+head and with the chunks priced. Peaks come from the CUDA allocator, step times from
+interleaved rounds (the median of per-round ratios to the unplanned step), as
+`benchmarks.native` measures them. Writes gpu.md under $OUT when it is set, else here.
+
+`--smoke` runs the same code on the CPU on a 2-block GPT of width 64, for one round with
+2 s plans at per-block checkpointing's peak only, and writes nothing: the check (`tests/test_bench.py`) that the command still
+runs where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.chunked import HEADER, gpt
+from benchmarks.report import write_rows
+
+GPT_SMALL = dict(vocab=50257, seq=1024, dim=768, layers=12, heads=12)
+SMOKE = dict(vocab=1024, seq=64, dim=64, layers=2, heads=2)
+FRACTIONS = (0.7, 0.5)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--limit", type=float, default=10.0)
+    parser.add_argument("--smoke", action="store_true", help="a tiny configuration on the CPU, one round, no page")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("benchmarks.gpu needs a CUDA device (--smoke runs a tiny configuration on the CPU)")
+    device = "cpu" if args.smoke else "cuda"
+    shape, batch, rounds, limit, fractions = ((SMOKE, 2, 1, 2.0, ()) if args.smoke
+                                              else (GPT_SMALL, 4, args.rounds, args.limit, FRACTIONS))
+    machine = f"{torch.cuda.get_device_name()}, {os.cpu_count()} host cores" if not args.smoke else "CPU (smoke)"
+    command = " ".join(["python -m benchmarks.gpu"] + sys.argv[1:])
+    head = ["# LM head chunks on a GPU", "", f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.",
+            "", __doc__.split("\n\n", 2)[2].split("\n\n`--smoke`")[0].strip(), ""]
+    out = Path(os.environ.get("OUT", Path(__file__).parent)) / "gpu.md"
+    notes: list[str] = []
+    rows: list[list[str]] = []
+    for name, dtype in DTYPES.items():
+        floors, table = gpt(shape, batch, rounds, limit, device, dtype, fractions)
+        notes += [f"- {name}: {line}" for line in floors]
+        rows += [[name, *row] for row in table]
+        if args.smoke:
+            print(*notes[-len(floors):], *(" | ".join(row) for row in rows[-len(table):]), sep="\n", flush=True)
+        else:  # the page rewritten after each dtype, so a failure in the second loses nothing of the first
+            write_rows(out, head + notes + [""], ["dtype", *HEADER], [rows])
+
+
+if __name__ == "__main__":
+    main()
