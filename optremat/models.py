@@ -9,10 +9,12 @@ and a loss over the model's output, so a training step is `loss_fn(model(*inputs
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -290,14 +292,29 @@ def load(spec: str) -> Example:
         raise FileNotFoundError(f"no such model file: {path}")
     module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, function, None)):
-        raise KeyError(f"{path} defines no function {function!r}")
-    made = getattr(module, function)()
+    with _importable(Path(path).resolve().parent, Path.cwd()):
+        module_spec.loader.exec_module(module)
+        if not callable(getattr(module, function, None)):
+            raise KeyError(f"{path} defines no function {function!r}")
+        made = getattr(module, function)()
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
         raise ValueError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
     inputs = made[1] if isinstance(made[1], (tuple, dict)) else (made[1],)
     return Example(made[0], inputs, made[2] if len(made) == 3 else _own_loss_or_sum)
+
+
+@contextlib.contextmanager
+def _importable(*folders: Path) -> Iterator[None]:
+    """A model file imports what it would run as a script (its own folder) or with
+    `python -m` from where the command runs (the working directory): the console
+    script puts neither on the path."""
+    added = [str(f) for f in folders if str(f) not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for folder in added:
+            sys.path.remove(folder)
 
 
 def _own_loss_or_sum(output: object) -> torch.Tensor:

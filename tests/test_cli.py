@@ -146,6 +146,27 @@ def test_plan_model_infeasible_budget_exits_3_naming_the_smallest():
     assert "smallest feasible budget" in result.stderr and result.stderr.strip().count("\n") == 0
 
 
+def test_a_model_file_imports_from_where_the_command_runs(tmp_path):
+    """The installed `optremat` command, run from a project's root on a model file in a
+    subfolder that imports the project's own package, as `benchmarks/scale.py` does."""
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "__init__.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())\n"
+        "                                 for _ in range(4)])\n")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "build.py").write_text(
+        "import torch\nfrom project import mlp\ndef build():\n    return mlp(), torch.randn(64, 32)\n")
+    command = Path(sys.executable).with_name("optremat")
+    result = subprocess.run([str(command), "plan", "--model", "models/build.py:build", "--budget", "1.0",
+                             "--time-limit", "2", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 0 < data["peak_bytes"] <= data["budget_bytes"]
+
+
 def test_plan_a_model_from_a_python_file(tmp_path):
     source = tmp_path / "mymodel.py"
     source.write_text(
