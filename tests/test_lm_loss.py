@@ -53,6 +53,27 @@ def test_chunks_give_the_whole_loss_and_gradients(options: dict, chunks: int, bi
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_bfloat16_chunks_on_a_cpu_give_the_whole_loss_and_are_priced_within_ten_percent(chunks: int) -> None:
+    """In bfloat16 on a CPU the chunks run in optremat's own function (PyTorch's kernel
+    casts the weight once per chunk, unlike the implementation a trace records): the
+    loss and gradients match the whole head's to bfloat16's precision, and the measured
+    peak is within 10% of the traced one, above it (PyTorch's kernel: 27% above; float32
+    and the whole head: within 0.1%; the rest is not found)."""
+    torch.manual_seed(0)
+    model = HiddenGPT(vocab=512, seq=64, dim=64, layers=1, heads=2).to(torch.bfloat16)
+    idx, ids = torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))
+    whole, chunked = CausalLMLoss(model.head, ids, chunks=None), CausalLMLoss(model.head, ids, chunks=chunks)
+    hidden = model(idx).detach().requires_grad_()
+    head = list(model.head.parameters())
+    for got, want in zip(grads(chunked, hidden, head), grads(whole, hidden, head)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    g = extract(model, (idx,), chunked)
+    measured = measure_step(model, (idx,), chunked).peak_bytes
+    predicted = simulate(g, keep_all(g)).peak_bytes
+    assert predicted <= measured <= predicted * 1.10
+
+
 @pytest.mark.parametrize("options", [dict(), dict(softcap=3.0)], ids=["plain", "softcap"])
 def test_a_tied_embedding_or_a_weight_tensor_is_a_head(options: dict) -> None:
     """The head's weight shared with the input embedding takes the gradient of both uses."""

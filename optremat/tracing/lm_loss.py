@@ -54,8 +54,8 @@ class CausalLMLoss:
 
     `chunks` None computes the whole logits, `F.cross_entropy(F.linear(h, W, b).float())`;
     k runs the head and loss in k token chunks, gradients taken in the forward
-    (PyTorch's `F.linear_cross_entropy` for the plain loss, `ChunkedCrossEntropy` for
-    label smoothing and softcap); "auto" (the default) is for `optremat.plan` to choose,
+    (PyTorch's `F.linear_cross_entropy` for the plain loss in float32 or on a GPU,
+    `ChunkedCrossEntropy` for label smoothing, softcap and lower precisions on a CPU); "auto" (the default) is for `optremat.plan` to choose,
     and runs whole until a plan applied to the model holding the head chose otherwise.
     """
 
@@ -107,7 +107,7 @@ class CausalLMLoss:
         if chunks is None:
             return self._whole(flat, weight, bias, target)
         rows = math.ceil(flat.shape[0] / chunks)
-        if TORCH_CHUNKED and not self.label_smoothing and self.softcap is None:
+        if TORCH_CHUNKED and not self.label_smoothing and self.softcap is None and _priced_as_run(flat):
             options = nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
             loss = F.linear_cross_entropy(flat, weight, target, linear_bias=bias, ignore_index=self.ignore_index,
                                           reduction="mean" if self.num_items_in_batch is None else "sum",
@@ -155,6 +155,14 @@ class CausalLMLoss:
     def tokens(self) -> int:
         """Positions the head runs over: one per label."""
         return self.labels.numel()
+
+
+def _priced_as_run(hidden: torch.Tensor) -> bool:
+    """Whether PyTorch's chunked kernel runs here as the implementation a trace records
+    does: in bfloat16 on a CPU it casts the head's weight to float32 once per chunk where
+    that implementation casts it once (measured 1.27x the traced peak), so there the
+    chunks run in `ChunkedCrossEntropy`, whose ops trace as they run."""
+    return hidden.dtype == torch.float32 or hidden.device.type == "cuda"
 
 
 def check_chunks(chunks: Any) -> None:
