@@ -73,8 +73,8 @@ def gpt_mini(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
 
 
 def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
-        dtype: torch.dtype = torch.float32, fractions: tuple[float, ...] = (0.85, 0.7, 0.55)
-        ) -> tuple[list[str], list[list[str]]]:
+        dtype: torch.dtype = torch.float32, fractions: tuple[float, ...] = (0.85, 0.7, 0.55),
+        least_peaks: bool = True) -> tuple[list[str], list[list[str]]]:
     """`HiddenGPT` of `shape` on `device` in `dtype`, its loss a `CausalLMLoss`, against
     per-block checkpointing with the whole head and with PyTorch's chunked loss."""
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
              "per-block checkpoint + F.linear_cross_entropy": (
                  "LinearCrossEntropyOptions()", per_block(step_of(torch_chunked(model.head, labels))))}
     return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole), dict(loss_fn=auto),
-                   rounds, limit, device, fractions)
+                   rounds, limit, device, fractions, least_peaks)
 
 
 def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
@@ -128,12 +128,13 @@ def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
 
 def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers: dict[str, tuple[str, Step]],
             whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float, device: str = "cpu",
-            fractions: tuple[float, ...] = (0.85, 0.7, 0.55)) -> tuple[list[str], list[list[str]]]:
+            fractions: tuple[float, ...] = (0.85, 0.7, 0.55), least_peaks: bool = True
+            ) -> tuple[list[str], list[list[str]]]:
     """The least peaks of region plans with the whole head (`whole`: plan()'s options
     for it) and with its chunks priced (`auto`), and the rows: the `unplanned` step, each
     of `peers` (its head, its step; the first one's measured peak sets the budgets), and
     optremat's plans (`planned` run with each installed) at that peak and `fractions` of it,
-    every peak measured on `device`."""
+    every peak measured on `device` (the least peaks left out without `least_peaks`)."""
     params = list(model.parameters())
     resident = [params, list(model.buffers()), inputs]
 
@@ -149,7 +150,7 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers
     peer_peak = measured(next(iter(peers.values()))[1])
     floors = []
     held = resident_bytes(resident) + sum(p.numel() * p.element_size() for p in params) + 64  # and the gradients
-    for name, options in (("whole head", whole), ("chunks priced", auto)):
+    for name, options in (("whole head", whole), ("chunks priced", auto)) if least_peaks else ():
         try:  # a budget no plan meets, above the parameters, inputs and gradients every step holds
             optremat.plan(model, inputs, max(int(peer_peak * 0.3), held), time_limit=limit, **options)
         except optremat.InfeasibleBudget as error:
