@@ -3,7 +3,8 @@
 search over every plan of regions inside the blocks to prove its optimum, the composed
 plan is that optimum (same cost, same simulated peak) and its bound never exceeds it; a
 long chain is planned by composition alone, and the plan trains as the model does (slow:
-16 blocks, planned and trained); on a tiny chain, against every plan inside its blocks."""
+16 blocks, planned and trained), or refuses a budget no composition fits (slow); on a
+tiny chain, against every plan inside its blocks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import optremat
-from optremat.core.schedule import keep_all, simulate
+from optremat.core.schedule import keep_all, peak_floor, simulate
 from optremat.ilp.composed import solve_chain
 from optremat.ilp.region_cpsat import solve_regions
 from optremat.ilp.region_model import RegionModel
@@ -95,6 +96,21 @@ def test_a_long_chain_is_planned_by_composition_and_trains_as_the_model_does() -
     assert torch.equal(loss, expected)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.slow
+def test_a_long_chain_refuses_a_budget_at_its_floor_naming_one_it_meets() -> None:
+    """16 blocks at the step's floor: no composition and no structure checkpointed whole
+    fits, so the budget is refused without the search over every region set, naming the
+    floor and the least peak reached, and a plan meets that least peak."""
+    model, batch = llama(16)
+    options = dict(deterministic=True, time_limit=5, head_chunks=None)
+    floor = peak_floor(optremat.plan(model, batch, 1.0, **options).graph)
+    with pytest.raises(optremat.InfeasibleBudget) as refused:
+        optremat.plan(model, batch, floor, **options)
+    assert refused.value.floor == floor and refused.value.smallest > floor
+    met = optremat.plan(model, batch, refused.value.smallest, **options)
+    assert met.predicted_peak_bytes <= refused.value.smallest
 
 
 def test_one_rank_of_fsdp_composes_its_blocks_too() -> None:

@@ -59,7 +59,10 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     chain of identical blocks is first solved once per block and composed (`_composed`):
     from COMPOSED_BLOCKS blocks that plan, within COMPOSED_GAP of its bound, is the plan;
     otherwise it is one more seed. A budget under the step's `peak_floor` is refused
-    without searching for a plan that fits, naming the least peak found in the time."""
+    without searching for a plan that fits, naming the least peak found in the time; so
+    is one that neither the composition of a chain of COMPOSED_BLOCKS blocks nor any
+    structure checkpointed whole fits (at that size the search over every region set
+    finds nothing in minutes)."""
     graph = rmap.graph
     total = graph.total_cost
     composing = time.perf_counter()
@@ -72,6 +75,10 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         if progress is not None:
             progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
         return _plan_of(rmap, composed.result.priced, budget_bytes, composed.name, composed.result.bound, started)
+    if composed is not None and composed.long and composed.result.priced is None:
+        seeds = whole_calls(rmap)
+        if seeds and all(c.result.peak_bytes > budget_bytes for c in seeds):
+            raise _refused(seeds, budget_bytes, solver, floor)
     searching = _left(time_limit, composing, deterministic)
     kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, searching, workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
@@ -110,12 +117,14 @@ def _left(time_limit: float, since: float, deterministic: bool) -> float:
 
 
 class _Chained(NamedTuple):
-    """A chain's composed plan and bound, whether that plan stands as the plan, and the
-    solver's name for it (with the bound's scope)."""
+    """A chain's composed plan and bound, whether that plan stands as the plan, the
+    solver's name for it (with the bound's scope), and whether the chain has the
+    COMPOSED_BLOCKS blocks from which the search over every region set is not run alone."""
 
     result: Composed
     stands: bool
     name: str
+    long: bool
 
 
 def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: int, seed: int,
@@ -133,9 +142,9 @@ def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: in
         return None
     name = (f"composed ({len(chain.blocks)} blocks like {chain.blocks[0][0]!r}; bound over plans of regions "
             "inside them)")
-    stands = (len(chain.blocks) >= COMPOSED_BLOCKS and composed.priced is not None
-              and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP))
-    return _Chained(composed, stands, name)
+    long = len(chain.blocks) >= COMPOSED_BLOCKS
+    stands = long and composed.priced is not None and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP)
+    return _Chained(composed, stands, name, long)
 
 
 def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, bound: float, started: float,
@@ -175,6 +184,11 @@ def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, solver: str, ti
     chain = chain_of(rmap)
     if not seeds or chain is None or len(chain.blocks) < COMPOSED_BLOCKS:
         return _infeasible(rmap, budget_bytes, seeds, solver, time_limit, workers, seed, deterministic, floor)
+    return _refused(seeds, budget_bytes, solver, floor)
+
+
+def _refused(seeds: list[Priced], budget_bytes: int, solver: str, floor: int) -> InfeasibleBudget:
+    """The error naming the least peak of `seeds` (proven least when it meets `floor`)."""
     smallest = min(c.result.peak_bytes for c in seeds)
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime", proven=smallest == floor,
                             scope=" for plans of module regions", floor=floor)
