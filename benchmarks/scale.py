@@ -50,9 +50,10 @@ NOTES = [
     "Most are below the step's floor (`optremat.core.schedule.peak_floor`: parameters, inputs, gradients made "
     "so far and one op's working set, 26.24 GiB for the 7B, 49.64 GiB for the 13B), which proves them "
     "impossible before any search; the least peak named is then that of every layer checkpointed whole, or "
-    "on the 8- and 16-layer shapes the exact least-peak search's. The 13B at 50% lies between its floor and "
-    "its least peak (50.15 GiB): the composition and the search over every region set run and find nothing, "
-    "hence its longer time.",
+    "on the 8-layer shape the exact least-peak search's. The 13B at 50% lies between its floor and its least "
+    "peak (50.15 GiB): the composition runs and finds nothing, and no layer structure checkpointed whole "
+    "fits either, so it is refused without the search over every region set (not proven: a plan of regions "
+    "outside the layers could in principle fit).",
     "",
     "Before the composition, `plan()` on the 32-layer 7B shape at 4096 tokens (sdpa attention priced as the "
     "math kernel) returned +24.42% against a bound of +4.71% after 94 s at half the unplanned peak.",
