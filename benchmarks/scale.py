@@ -29,7 +29,7 @@ from optremat.core.graph import format_bytes
 from optremat.core.schedule import keep_all, simulate
 from optremat.planners.regions import Region, kept_of, price
 from optremat.planning.native import region_map, solve_native
-from optremat.tracing.extract import trace
+from optremat.tracing.extract import DefaultLoss, trace
 
 OUT = Path(__file__).with_name("scale.md")
 LLAMAS = {
@@ -46,12 +46,12 @@ NOTES = [
     "head, the final norm and the embedding are not checkpointed by any plan it covers); a `cpsat-regions` "
     "row's bound is over every region plan (the search over every region set proved it, seeded with the "
     "composed plan: below 16 layers that search still runs, and finds plans the composition's scope leaves "
-    "out, such as the 8-layer 7B's at 50%). An infeasible budget is below the least peak of any region plan. "
+    "out, such as the 8-layer 7B's at 70%). An infeasible budget is below the least peak of any region plan. "
     "Most are below the step's floor (`optremat.core.schedule.peak_floor`: parameters, inputs, gradients made "
-    "so far and one op's working set, 26.24 GiB for the 7B, 49.64 GiB for the 13B), which proves them "
+    "so far and one op's working set, 25.75 GiB for the 7B, 49.15 GiB for the 13B), which proves them "
     "impossible before any search; the least peak named is then that of every layer checkpointed whole, or "
     "on the 8-layer shape the exact least-peak search's. The 13B at 50% lies between its floor and its least "
-    "peak (50.15 GiB): the composition runs and finds nothing, and no layer structure checkpointed whole "
+    "peak (49.66 GiB): the composition runs and finds nothing, and no layer structure checkpointed whole "
     "fits either, so it is refused without the search over every region set (not proven: a plan of regions "
     "outside the layers could in principle fit).",
     "",
@@ -83,7 +83,7 @@ def llama_7b() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 def rows(name: str, sequence: int, time_limit: float) -> list[list[str]]:
     model, batch = llama(name, sequence)
     started = time.perf_counter()
-    rmap = region_map(trace(model, batch, None, device="h100"), model, "h100")
+    rmap = region_map(trace(model, batch, DefaultLoss(), device="h100"), model, "h100")  # the loss plan() prices
     traced = time.perf_counter() - started
     graph = rmap.graph
     unplanned = simulate(graph, keep_all(graph)).peak_bytes
