@@ -149,7 +149,7 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers
         methods[name] = (run, {"method": name, "head": head, "measured peak": format_bytes(measured(run))})
     peer_peak = measured(next(iter(peers.values()))[1])
     floors = []
-    held = resident_bytes(resident) + sum(p.numel() * p.element_size() for p in params) + 64  # and the gradients
+    held = resident_bytes(resident) + 2 * sum(p.numel() * p.element_size() for p in params)  # gradients, the loss
     for name, options in (("whole head", whole), ("chunks priced", auto)) if least_peaks else ():
         try:  # a budget no plan meets, above the parameters, inputs and gradients every step holds
             optremat.plan(model, inputs, max(int(peer_peak * 0.3), held), time_limit=limit, **options)

@@ -15,8 +15,8 @@ interleaved rounds (the median of per-round ratios to the unplanned step), as
 `benchmarks.native` measures them. Writes gpu.md under $OUT when it is set, else here.
 
 `--smoke` runs the same code on the CPU on a 2-block GPT of width 64, for one round with
-2 s plans at per-block checkpointing's peak only (no least peaks), and writes nothing: the check (`tests/test_bench.py`) that the command still
-runs where no GPU is.
+2 s plans at per-block checkpointing's peak only (no least peaks), and writes nothing:
+the check (`tests/test_bench.py`) that the command still runs where no GPU is.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
         notes += [f"- {name}: {line}" for line in floors]
         rows += [[name, *row] for row in table]
         if args.smoke:
-            print(*notes[-len(floors):], *(" | ".join(row) for row in rows[-len(table):]), sep="\n", flush=True)
+            print(*floors, *(" | ".join(row) for row in rows[-len(table):]), sep="\n", flush=True)
         else:  # the page rewritten after each dtype, so a failure in the second loses nothing of the first
             write_rows(out, head + notes + [""], ["dtype", *HEADER], [rows])
 

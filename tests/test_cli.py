@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
@@ -146,6 +147,8 @@ def test_plan_model_infeasible_budget_exits_3_naming_the_smallest():
     assert "smallest feasible budget" in result.stderr and result.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.skipif(not Path(sys.executable).with_name("optremat").exists(),
+                    reason="the optremat console script is not installed beside this Python")
 def test_a_model_file_imports_from_where_the_command_runs(tmp_path):
     """The installed `optremat` command, run from a project's root on a model file in a
     subfolder that imports the project's own package, as `benchmarks/scale.py` does."""

@@ -179,7 +179,8 @@ def test_gpt_small_extracts_on_fake_tensors():
 
 def test_profiling_costs_leaves_the_model_as_it_was():
     """Timing each op runs the step on the model's tensors: batch norm's running
-    statistics, written in place, must not move."""
+    statistics and an embedding's weight renormalised by `max_norm`, both written in
+    place, must not move."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
                           nn.Linear(8 * 8 * 8, 4))
@@ -187,6 +188,11 @@ def test_profiling_costs_leaves_the_model_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     extract(model, (x,), lambda out: out.exp_().sum(), cost_model="profile")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    embedding = nn.Sequential(nn.Embedding(16, 8, max_norm=1.0), nn.Linear(8, 2))  # renormalises its weight in place
+    embedding[0].weight.data.mul_(10)
+    weight = embedding[0].weight.detach().clone()
+    extract(embedding, (torch.randint(0, 16, (4,)),), lambda out: out.sum(), cost_model="profile")
+    assert torch.equal(embedding[0].weight, weight)
 
 
 def test_an_in_place_matmul_costs_what_the_matmul_costs():

@@ -9,8 +9,9 @@ takes (below), and of their neighbours, are the options, each priced once on the
 simulator with every other block unplanned (`_profile`): its extra seconds, the peaks of
 the block's own forward and backward, and what it adds to (or frees from) every other
 segment of the step (`Chain.relation`), which is the same for every block of the chain. A
-second, small CP-SAT model picks one option per block so that every segment fits the
-budget at the least extra cost (`_compose`); the plan is then priced whole on the
+dynamic program along the chain, then (in the second round) a small CP-SAT model, picks
+one option per block so that every segment fits the budget at the least extra cost
+(`_compose`); the plan is then priced whole on the
 simulator and kept only when the simulator agrees with the composition (what one block's
 plan does to a segment adds to what another's does).
 
@@ -279,6 +280,7 @@ def _relaxed(chain: Chain, timeline: _Timeline, frontiers: _Frontiers, stage: in
     for aligned, count in groups.items():
         cells = frontiers.cells(aligned)
         if cells is None:
+            found.extend(p for _, read in menus for p in _near(read, None) if p not in found)
             return -math.inf
         menus.append((count, cells))
     bound, chosen = _bound([(count, [(c.least, c.cost) for c in cells]) for count, cells in menus], room)

@@ -60,9 +60,8 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     from COMPOSED_BLOCKS blocks that plan, within COMPOSED_GAP of its bound, is the plan;
     otherwise it is one more seed. A budget under the step's `peak_floor` is refused
     without searching for a plan that fits, naming the least peak found in the time; so
-    is one that neither the composition of a chain of COMPOSED_BLOCKS blocks nor any
-    structure checkpointed whole fits (at that size the search over every region set
-    finds nothing in minutes)."""
+    is one that neither the composition of a chain of COMPOSED_BLOCKS blocks nor any seed
+    fits (at that size the search over every region set finds nothing in minutes)."""
     graph = rmap.graph
     total = graph.total_cost
     composing = time.perf_counter()
@@ -75,16 +74,14 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         if progress is not None:
             progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
         return _plan_of(rmap, composed.result.priced, budget_bytes, composed.name, composed.result.bound, started)
-    if composed is not None and composed.long and composed.result.priced is None:
-        seeds = whole_calls(rmap)
-        if seeds and all(c.result.peak_bytes > budget_bytes for c in seeds):
-            raise _refused(seeds, budget_bytes, solver, floor)
     searching = _left(time_limit, composing, deterministic)
     kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, searching, workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
     if composed is not None and composed.result.priced is not None:
         candidates.append(composed.result.priced)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
+    if not fitting and candidates and composed is not None and composed.long:
+        raise _refused(candidates, budget_bytes, solver, floor)
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
         progress(time.perf_counter() - started, min(c.cost for c in fitting), total)

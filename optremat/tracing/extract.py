@@ -549,11 +549,24 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
 
 
 def _costs(gm: torch.fx.GraphModule, args: tuple, cost_model: str, profile: DeviceProfile) -> dict[str, float]:
-    if cost_model == "profile":  # on copies of what the step writes into: buffers, inputs
+    if cost_model == "profile":  # on copies of what the step may write into: buffers, inputs, written parameters
         params, buffers, inputs, grad_outputs = args
+        written = {_viewed(p).name for n in gm.graph.nodes if n.op == "call_function" for p in mutated_inputs(n)}
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        params = {k: t.clone() if name in written else t for (k, t), name in zip(params.items(), placeholders)}
         copies = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (buffers, inputs))
         return profile_costs(gm, tree_leaves((params, *copies, grad_outputs)), once=lambda n: bool(mutated_inputs(n)))
     return {n.name: roofline_cost(n, profile) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def _viewed(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose tensor `node` views, through views and detaches (itself if none)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        returns = getattr(getattr(node.target, "_schema", None), "returns", ())
+        if not returns or returns[0].alias_info is None or returns[0].alias_info.is_write:
+            break
+        node = node.args[0]
+    return node
 
 
 def _storages(value: Any) -> dict[StorageWeakRef, int]:

@@ -54,9 +54,10 @@ class CausalLMLoss:
 
     `chunks` None computes the whole logits, `F.cross_entropy(F.linear(h, W, b).float())`;
     k runs the head and loss in k token chunks, gradients taken in the forward
-    (PyTorch's `F.linear_cross_entropy` for the plain loss in float32 or on a GPU,
-    `ChunkedCrossEntropy` for label smoothing, softcap and lower precisions on a CPU); "auto" (the default) is for `optremat.plan` to choose,
-    and runs whole until a plan applied to the model holding the head chose otherwise.
+    (PyTorch's `F.linear_cross_entropy` for the plain loss, `ChunkedCrossEntropy` for
+    label smoothing, softcap, and on a CPU any dtype but float32); "auto" (the default)
+    is for `optremat.plan` to choose, and runs whole until a plan applied to the model
+    holding the head chose otherwise.
     """
 
     head: nn.Module | torch.Tensor
@@ -162,7 +163,7 @@ def _priced_as_run(hidden: torch.Tensor) -> bool:
     does: in bfloat16 on a CPU it casts the head's weight to float32 once per chunk where
     that implementation casts it once (measured 1.27x the traced peak), so there the
     chunks run in `ChunkedCrossEntropy`, whose ops trace as they run."""
-    return hidden.dtype == torch.float32 or hidden.device.type == "cuda"
+    return hidden.dtype == torch.float32 or hidden.device.type != "cpu"
 
 
 def check_chunks(chunks: Any) -> None:
