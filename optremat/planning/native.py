@@ -26,7 +26,7 @@ from optremat.ilp.bounds import solver_floor
 from optremat.ilp.composed import Composed, solve_chain
 from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.search import LEAST_SECONDS
-from optremat.planners.chain import chain_of
+from optremat.planners.chain import Chain, chain_of
 from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search, whole_calls
 from optremat.planners.solve import solve
 from optremat.planning.result import Chunking, Plan, loss_note
@@ -66,10 +66,12 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     total = graph.total_cost
     composing = time.perf_counter()
     floor = peak_floor(graph)
+    chain = chain_of(rmap)
+    long = chain is not None and len(chain.blocks) >= COMPOSED_BLOCKS
     if budget_bytes < floor:
-        raise _under_floor(rmap, budget_bytes, floor, solver, _left(time_limit, composing, deterministic), workers,
-                           seed, deterministic)
-    composed = _composed(rmap, budget_bytes, time_limit, workers, seed, deterministic)
+        raise _under_floor(rmap, budget_bytes, floor, long, solver, _left(time_limit, composing, deterministic),
+                           workers, seed, deterministic)
+    composed = _composed(chain, budget_bytes, time_limit, workers, seed, deterministic)
     if composed is not None and composed.stands:
         if progress is not None:
             progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
@@ -80,7 +82,7 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     if composed is not None and composed.result.priced is not None:
         candidates.append(composed.result.priced)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
-    if not fitting and candidates and composed is not None and composed.long:
+    if not fitting and candidates and composed is not None and long:
         raise _refused(candidates, budget_bytes, solver, floor)
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
@@ -114,24 +116,21 @@ def _left(time_limit: float, since: float, deterministic: bool) -> float:
 
 
 class _Chained(NamedTuple):
-    """A chain's composed plan and bound, whether that plan stands as the plan, the
-    solver's name for it (with the bound's scope), and whether the chain has the
-    COMPOSED_BLOCKS blocks from which the search over every region set is not run alone."""
+    """A chain's composed plan and bound, whether that plan stands as the plan, and the
+    solver's name for it (with the bound's scope)."""
 
     result: Composed
     stands: bool
     name: str
-    long: bool
 
 
-def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: int, seed: int,
+def _composed(chain: Chain | None, budget_bytes: int, time_limit: float, workers: int, seed: int,
               deterministic: bool) -> _Chained | None:
-    """The chain of identical blocks solved once per block and composed (`solve_chain`),
-    None when the step has no such chain. The plan stands from COMPOSED_BLOCKS blocks,
+    """The step's chain of identical blocks solved once per block and composed
+    (`solve_chain`), None when the step has no such chain. The plan stands from COMPOSED_BLOCKS blocks,
     within COMPOSED_GAP of its bound; otherwise it competes in the search over every
     region set, and when it wins there and that search proves no bound, its own bound
     (over plans of regions inside the blocks) is the plan's."""
-    chain = chain_of(rmap)
     if chain is None:
         return None
     composed = solve_chain(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic)
@@ -139,9 +138,9 @@ def _composed(rmap: RegionMap, budget_bytes: int, time_limit: float, workers: in
         return None
     name = (f"composed ({len(chain.blocks)} blocks like {chain.blocks[0][0]!r}; bound over plans of regions "
             "inside them)")
-    long = len(chain.blocks) >= COMPOSED_BLOCKS
-    stands = long and composed.priced is not None and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP)
-    return _Chained(composed, stands, name, long)
+    stands = (len(chain.blocks) >= COMPOSED_BLOCKS and composed.priced is not None
+              and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP))
+    return _Chained(composed, stands, name)
 
 
 def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, bound: float, started: float,
@@ -171,15 +170,14 @@ def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], so
                             scope=" for plans of module regions", floor=floor)
 
 
-def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, solver: str, time_limit: float, workers: int,
-                 seed: int, deterministic: bool) -> InfeasibleBudget:
+def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, solver: str, time_limit: float,
+                 workers: int, seed: int, deterministic: bool) -> InfeasibleBudget:
     """The error for a budget under the step's floor: the least peak of every call of a
-    structure checkpointed whole, and on a step without a chain of COMPOSED_BLOCKS blocks
-    the least peak the exact search finds (on a 70B model's step its model alone takes
-    longer to build than a usual time limit)."""
+    structure checkpointed whole, and on a step without a `long` chain (COMPOSED_BLOCKS
+    blocks) the least peak the exact search finds (on a 70B model's step its model alone
+    takes longer to build than a usual time limit)."""
     seeds = whole_calls(rmap)
-    chain = chain_of(rmap)
-    if not seeds or chain is None or len(chain.blocks) < COMPOSED_BLOCKS:
+    if not seeds or not long:
         return _infeasible(rmap, budget_bytes, seeds, solver, time_limit, workers, seed, deterministic, floor)
     return _refused(seeds, budget_bytes, solver, floor)
 

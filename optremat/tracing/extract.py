@@ -549,13 +549,11 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
 
 
 def _costs(gm: torch.fx.GraphModule, args: tuple, cost_model: str, profile: DeviceProfile) -> dict[str, float]:
-    if cost_model == "profile":  # on copies of what the step may write into: buffers, inputs, written parameters
-        params, buffers, inputs, grad_outputs = args
+    if cost_model == "profile":  # on copies of the tensors the step writes into, so the model stays as it was
         written = {_viewed(p).name for n in gm.graph.nodes if n.op == "call_function" for p in mutated_inputs(n)}
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        params = {k: t.clone() if name in written else t for (k, t), name in zip(params.items(), placeholders)}
-        copies = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (buffers, inputs))
-        return profile_costs(gm, tree_leaves((params, *copies, grad_outputs)), once=lambda n: bool(mutated_inputs(n)))
+        real = [t.clone() if name in written else t for t, name in zip(tree_leaves(args), placeholders)]
+        return profile_costs(gm, real, once=lambda n: bool(mutated_inputs(n)))
     return {n.name: roofline_cost(n, profile) for n in gm.graph.nodes if n.op == "call_function"}
 
 
