@@ -15,12 +15,14 @@ cores, so single rounds vary widely.
 Simulated: Llama-shaped models built from transformers' `LlamaConfig` on the meta device
 (1B: Llama 3.2 1B's shape; 7B: Llama 2 7B's), one sequence of 4096 tokens per rank,
 bfloat16 weights and activations, flash attention (memory linear in the sequence), the
-loss computed from float32 logits outside the model, AdamW state in float32 (4 bytes per
-bfloat16 parameter byte), FSDP2 over 8 and 64 ranks with every decoder layer a unit, ops
-priced by the H100 roofline. Per-block checkpointing (every decoder layer checkpointed
-whole, as HF's `gradient_checkpointing_enable()` and torchtitan's full AC do) is priced
-by the same simulator, and optremat is planned with its peak as the budget, and at
-budgets between that and the unplanned peak.
+model's own loss from `labels` (transformers' cross-entropy over float32 logits), AdamW
+state in float32 (4 bytes per bfloat16 parameter byte), FSDP2 over 8 and 64 ranks with
+every decoder layer a unit, ops priced by the H100 roofline. Per-block checkpointing
+(every decoder layer checkpointed whole, as HF's `gradient_checkpointing_enable()` and
+torchtitan's full AC do, the LM head whole) is priced by the same simulator, and
+optremat is planned, its LM head whole or in token chunks as the plan chooses, with its
+peak as the budget, at 60% and 80% of it, and at budgets between it and the unplanned
+peak.
 
 The simulated rows are predictions: no GPU ran them, and the GPU effects the model leaves
 out (CUDA streams holding freed buffers, FSDP2's forward prefetch) would add to them. The
@@ -57,6 +59,8 @@ LLAMAS = {
 SEQUENCE, RANKS, ADAMW = 4096, (8, 64), 4.0
 BETWEEN = (0.25, 0.5)
 """optremat's further budgets: these fractions of the way from per-block's peak to the unplanned one."""
+BELOW = (0.6, 0.8)
+"""and these fractions of per-block's peak, which only an LM head in chunks reaches."""
 
 
 def measured(rounds: int, limit: float) -> list[list[str]]:
@@ -76,8 +80,9 @@ def measured(rounds: int, limit: float) -> list[list[str]]:
     return rows
 
 
-def llama(name: str) -> tuple[torch.nn.Module, tuple, Any]:
-    """A Llama-shaped model on the meta device (no memory), its inputs and its loss."""
+def llama(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A Llama-shaped model on the meta device (no memory) and its batch: the model
+    computes its own loss from `labels`."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     AttentionInterface.register("fused_causal", flash_attention)
@@ -86,11 +91,7 @@ def llama(name: str) -> tuple[torch.nn.Module, tuple, Any]:
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     tokens = torch.zeros(1, SEQUENCE, dtype=torch.long, device="meta")
-
-    def loss_fn(out: Any) -> torch.Tensor:
-        return F.cross_entropy(out.logits.flatten(0, 1).float(), tokens.flatten())
-
-    return model, (tokens,), loss_fn
+    return model, {"input_ids": tokens, "labels": tokens}
 
 
 def flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -106,30 +107,39 @@ def flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 def simulated(limit: float) -> tuple[list[list[str]], dict[str, list[tuple[float, float]]], dict]:
     rows, lines, marks = [], {}, {}
     for name in LLAMAS:
-        model, inputs, loss_fn = llama(name)
+        model, batch = llama(name)
         layers = [Region(f"model.layers.{i}", 0) for i in range(model.config.num_hidden_layers)]
         params = sum(p.numel() for p in model.parameters())
         for world in RANKS:
             parallel = FSDP(units=("model.layers.*",), world=world, optimizer_state=ADAMW)
-            options = dict(loss_fn=loss_fn, parallel=parallel, device="h100")
-            per_block = optremat.price_regions(model, inputs, layers, **options)
-            unplanned = per_block.baseline_peak_bytes
+            options = dict(parallel=parallel, device="h100")
+            per_block = optremat.price_regions(model, batch, layers, head_chunks=None, **options)
+            unplanned, block_peak = per_block.baseline_peak_bytes, per_block.predicted_peak_bytes
             label = f"{name}, {world} ranks"
             rows.append([name, f"{params / 1e9:.2f}B", str(world), format_bytes(unplanned), "per-block",
-                         format_bytes(per_block.predicted_peak_bytes), format_bytes(per_block.predicted_peak_bytes),
+                         format_bytes(block_peak), format_bytes(block_peak), "whole",
                          f"{per_block.predicted_overhead:+.1%}", "-"])
             print(" | ".join(rows[-1]), flush=True)
-            marks[f"per-block, {label}"] = [(per_block.predicted_peak_bytes / 2**30, 100 * per_block.predicted_overhead)]
+            marks[f"per-block, {label}"] = [(block_peak / 2**30, 100 * per_block.predicted_overhead)]
             lines[f"optremat, {label}"] = []
-            for step in (0.0, *BETWEEN):
-                budget = int(per_block.predicted_peak_bytes + step * (unplanned - per_block.predicted_peak_bytes))
+            budgets = [(f"{f:.0%} of per-block", int(block_peak * f)) for f in BELOW] + [("= per-block", block_peak)]
+            budgets += [("", int(block_peak + step * (unplanned - block_peak))) for step in BETWEEN]
+            for note, budget in budgets:
                 started = time.perf_counter()
-                made = optremat.plan(model, inputs, budget, time_limit=limit, **options)
-                seconds = time.perf_counter() - started
+                try:
+                    made = optremat.plan(model, batch, budget, time_limit=limit, **options)
+                except optremat.InfeasibleBudget as error:
+                    rows.append([name, f"{params / 1e9:.2f}B", str(world), format_bytes(unplanned),
+                                 f"optremat ({note})", format_bytes(budget),
+                                 f"infeasible (least {format_bytes(error.smallest)})", "-", "-",
+                                 f"{time.perf_counter() - started:.0f}"])
+                    print(" | ".join(rows[-1]), flush=True)
+                    continue
+                chunks = made.chunking.chunks
                 rows.append([name, f"{params / 1e9:.2f}B", str(world), format_bytes(unplanned),
-                             "optremat" + (" (= per-block)" if step == 0 else ""), format_bytes(budget),
-                             format_bytes(made.predicted_peak_bytes), f"{made.predicted_overhead:+.1%}",
-                             f"{seconds:.0f}"])
+                             "optremat" + (f" ({note})" if note else ""), format_bytes(budget),
+                             format_bytes(made.predicted_peak_bytes), "whole" if chunks is None else f"{chunks} chunks",
+                             f"{made.predicted_overhead:+.1%}", f"{time.perf_counter() - started:.0f}"])
                 print(" | ".join(rows[-1]), flush=True)
                 lines[f"optremat, {label}"].append((made.predicted_peak_bytes / 2**30, 100 * made.predicted_overhead))
     return rows, lines, marks
@@ -139,13 +149,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--limit", type=float, default=20.0, help="solver time limit per plan, seconds")
-    parser.add_argument("--skip-measured", action="store_true")
+    parser.add_argument("--skip-measured", action="store_true", help="keep the page's measured section as it is")
     parser.add_argument("--skip-simulated", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
     sections = [f"# Data-parallel plans\n\nMachine: {machine()}. Regenerate with `python -m benchmarks.distributed`"
                 f" (--rounds {args.rounds} --limit {args.limit:g}).", __doc__.split("\n\n", 2)[2].strip()]
-    if not args.skip_measured:
+    if args.skip_measured:  # kept as the page has it
+        sections += [part for part in _sections() if part.startswith("## Measured")]
+    else:
         rows = measured(args.rounds, args.limit)
         sections.append("## Measured: gpt-mini on 2 gloo ranks\n\n" + table(
             ["wrap", "budget", "rank", "budget bytes", "predicted peak", "measured peak", "measured / predicted",
@@ -159,10 +171,17 @@ def main() -> None:
                    "per-rank peak (GiB)", "predicted overhead (%)", marks=marks)
         sections.append("## Simulated: Llama shapes at 8 and 64 ranks\n\n" + table(
             ["model", "parameters", "ranks", "unplanned per-rank peak", "method", "budget", "per-rank peak",
-             "predicted overhead", "plan s"], rows) + f"\n\n![per-rank peak and overhead]({plot.name})")
+             "LM head", "predicted overhead", "plan s"], rows) + f"\n\n![per-rank peak and overhead]({plot.name})")
     sections.append(f"Total time {time.perf_counter() - started:.0f} s.")
     OUT.write_text("\n\n".join(sections) + "\n")
     print(f"wrote {OUT}")
+
+
+def _sections() -> list[str]:
+    """The page's sections as it is now, each from its "## " heading."""
+    if not OUT.exists():
+        return []
+    return ["## " + part.strip() for part in OUT.read_text().split("\n## ")[1:]]
 
 
 if __name__ == "__main__":

@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.chunked import HEADER, gpt
+from benchmarks.chunked import GPT_SMALL, HEADER, gpt
 from benchmarks.report import write_rows
 
-GPT_SMALL = dict(vocab=50257, seq=1024, dim=768, layers=12, heads=12)
 SMOKE = dict(vocab=1024, seq=64, dim=64, layers=2, heads=2)
 FRACTIONS = (0.7, 0.5)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -1,10 +1,14 @@
 """Largest batch that fits a memory size: built-in models (unplanned vs planned within an
 overhead cap) and the reproduction of Checkmate's VGG19 result on its published graph.
 
-    python -m benchmarks.max_batch [--cases gpt-small:16GiB,resnet:16GiB] [--max-overhead 0.25] [--limit 10]
+    python -m benchmarks.max_batch [--cases gpt-small:16GiB,gpt-small+chunks:16GiB,resnet:16GiB]
+                                   [--max-overhead 0.25] [--limit 10]
 
 Graphs at each batch come from two fake-tensor traces (batch 1 and 2); nothing is
-allocated at the searched sizes. Writes benchmarks/max_batch.md.
+allocated at the searched sizes. A GPT named with "+chunks" returns its hidden states
+and its head and loss run in `optremat.CausalLMLoss`, priced whole and in each token
+chunk count (each traced), the cheapest plan that fits taken. Writes
+benchmarks/max_batch.md.
 """
 
 from __future__ import annotations
@@ -14,35 +18,38 @@ import time
 from pathlib import Path
 
 from benchmarks.report import machine, table
-from optremat import InfeasibleBudget, extract, keep_all, simulate
+from optremat import InfeasibleBudget, keep_all, simulate
 from optremat.core import published
 from optremat.core.budget import parse_size
 from optremat.heuristics import NotAChain
 from optremat.ilp.cpsat import min_peak_cpsat
-from optremat.models import build
-from optremat.planners.batch import graph_at, max_batch
+from optremat.planners.batch import max_batch
+from optremat.planning.batch import batch_ways
 from optremat.planners.solve import HEURISTICS
 
 OUT = Path(__file__).with_name("max_batch.md")
+CHUNKED = "+chunks"
+"""A case's model name ends in this for its LM head priced whole and in token chunks."""
 CHECKMATE_VGG19 = {"checkpoint all": 167, "chen": 197, "ilp": 289}
 """Checkmate (MLSys 2020): VGG19 batch that fits one fixed memory, per strategy."""
 
 
 def models_section(cases: list[tuple[str, str]], max_overhead: float, limit: float,
                    found: dict[str, tuple[int, int, float]] | None = None) -> str:
-    """Max batch per model and memory size; `found` receives (unplanned, planned, overhead) per model."""
-    header = ["model", "memory", "unplanned batch", "planned batch", "ratio", "planned overhead", "search s"]
+    """Max batch per model and memory size (a name ending in CHUNKED: a GPT's head and
+    loss priced whole and in token chunks); `found` receives (unplanned, planned,
+    overhead) per model."""
+    header = ["model", "memory", "unplanned batch", "planned batch", "ratio", "planned overhead", "LM head",
+              "search s"]
     rows = []
     for name, memory in cases:
         started = time.perf_counter()
-        graphs = []
-        for batch in (1, 2):
-            example = build(name, batch=batch)
-            graphs.append(extract(example.model, example.inputs, example.loss_fn))
-        result = max_batch(graph_at(graphs[0], graphs[1], 1, 2), parse_size(memory), max_overhead=max_overhead,
-                           time_limit=limit)
+        ways = batch_ways(name.removesuffix(CHUNKED), name.endswith(CHUNKED))
+        result = max_batch(ways[0][1], parse_size(memory), max_overhead=max_overhead, time_limit=limit,
+                           alternatives=ways[1:])
+        head = "-" if len(ways) == 1 else result.planned_with or "whole"
         rows.append([name, memory, str(result.unplanned), str(result.planned), f"{result.ratio:.2f}x",
-                     f"{result.planned_overhead:.1%}", f"{time.perf_counter() - started:.0f}"])
+                     f"{result.planned_overhead:.1%}", head, f"{time.perf_counter() - started:.0f}"])
         if found is not None:
             found[name] = (result.unplanned, result.planned, result.planned_overhead)
         print("  ".join(rows[-1]), flush=True)
@@ -85,7 +92,7 @@ def vgg19_section(folder: Path, limit: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="gpt-small:16GiB,resnet:16GiB")
+    parser.add_argument("--cases", default="gpt-small:16GiB,gpt-small+chunks:16GiB,resnet:16GiB")
     parser.add_argument("--max-overhead", type=float, default=0.25)
     parser.add_argument("--limit", type=float, default=10.0, help="solver seconds per batch size tried")
     args = parser.parse_args()

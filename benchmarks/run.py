@@ -61,7 +61,8 @@ FULL = Config(peer_models=("gpt-mini", "resnet-mini", "gpt-small", "resnet"), to
               runtime_models=tuple(runtime.DEFAULT_MODELS.split(",")) + ("gpt-small", "resnet"), runtime_limit=30,
               plan_models=("gpt-small", "resnet", "unet", "vgg"),
               plan_fractions=planners.FRACTIONS, plan_limit=60, published_limit=60,
-              batch_cases=(("gpt-small", "16GiB"), ("resnet", "16GiB"), ("unet", "16GiB"), ("vgg", "16GiB")),
+              batch_cases=(("gpt-small", "16GiB"), ("gpt-small+chunks", "16GiB"), ("resnet", "16GiB"),
+                           ("unet", "16GiB"), ("vgg", "16GiB")),
               batch_limit=10, scaling_layers=(50, 125, 250, 500, 1000, 2500), scaling_limit=60)
 
 

@@ -231,30 +231,30 @@ def _cache_command(args: argparse.Namespace) -> int:
 
 def _max_batch_command(args: argparse.Namespace) -> int:
     from optremat.core.budget import parse_size
-    from optremat.models import build
-    from optremat.planners.batch import graph_at, max_batch
-    from optremat.tracing.extract import extract
+    from optremat.planners.batch import max_batch
+    from optremat.planning.batch import batch_ways
 
     memory = parse_size(args.memory)
-    graphs = []
-    for batch in (1, 2):
-        example = build(args.model, batch=batch)
-        graphs.append(extract(example.model, example.inputs, example.loss_fn, device=args.device))
+    if args.head_chunks and not args.model.startswith("gpt"):
+        raise ValueError(f"--head-chunks is for the built-in GPTs, not {args.model}")
+    ways = batch_ways(args.model, args.head_chunks, args.device)
 
     def progress(label: str, batch: int, fits: bool) -> None:
         print(f"  {label:9s} batch {batch:6d}: {'fits' if fits else 'does not fit'}", file=sys.stderr, flush=True)
 
-    result = max_batch(graph_at(graphs[0], graphs[1], 1, 2), memory, max_overhead=args.max_overhead,
-                       time_limit=args.time_limit, deterministic=args.deterministic,
-                       progress=progress if args.progress else None)
+    result = max_batch(ways[0][1], memory, max_overhead=args.max_overhead, time_limit=args.time_limit,
+                       deterministic=args.deterministic, progress=progress if args.progress else None,
+                       alternatives=ways[1:])
     report = {"model": args.model, "memory_bytes": memory, "max_overhead": args.max_overhead,
               "unplanned_batch": result.unplanned, "planned_batch": result.planned,
-              "planned_overhead": result.planned_overhead, "ratio": result.ratio}
+              "planned_overhead": result.planned_overhead, "planned_with": result.planned_with or None,
+              "ratio": result.ratio}
     if args.json:
         print(json.dumps(report))
         return 0
+    way = f", LM head in {result.planned_with}" if result.planned_with else ""
     print(f"{args.model} in {format_bytes(memory)}: batch {result.unplanned} unplanned, {result.planned} planned "
-          f"({result.ratio:.2f}x) at {result.planned_overhead:.1%} extra compute (cap {args.max_overhead:.0%})")
+          f"({result.ratio:.2f}x) at {result.planned_overhead:.1%} extra compute (cap {args.max_overhead:.0%}){way}")
     return 0
 
 
@@ -427,6 +427,8 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--deterministic", action="store_true", help="reproducible solver runs (deterministic time)")
     batch.add_argument("--device", default="cpu", help="device profile for roofline costs (cpu, a100, h100)")
     batch.add_argument("--progress", action="store_true", help="print each batch size tried to stderr")
+    batch.add_argument("--head-chunks", action="store_true",
+                       help="a GPT's LM head and loss priced whole and in token chunks, the cheapest fitting taken")
     batch.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     batch.set_defaults(run=_max_batch_command)
     bench = commands.add_parser("bench", help="every planner at several budgets (simulated), and optremat against "

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
+
+from optremat.tracing.lm_loss import CausalLMLoss
 
 
 @dataclass(frozen=True)
@@ -228,11 +231,14 @@ def _classification_map(model: nn.Module, x: torch.Tensor, classes: int) -> Exam
     return Example(model, (x,), CrossEntropy(target))
 
 
-def _gpt(vocab: int, seq: int, dim: int, layers: int, heads: int, batch: int) -> Example:
-    model = GPT(vocab, seq, dim, layers, heads)
+def _gpt(batch: int, *, vocab: int, seq: int, dim: int, layers: int, heads: int, head_in_loss: bool = False
+         ) -> Example:
+    model = (HiddenGPT if head_in_loss else GPT)(vocab, seq, dim, layers, heads)
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vocab, (batch, seq), generator=gen)
     target = torch.randint(0, vocab, (batch, seq), generator=gen)
+    if head_in_loss:
+        return Example(model, (idx,), CausalLMLoss(model.head, target))
     return Example(model, (idx,), CrossEntropy(target, flatten=True))
 
 
@@ -240,10 +246,10 @@ def _image(batch: int, side: int) -> torch.Tensor:
     return torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0))
 
 
-BUILDERS: dict[str, Callable[[int], Example]] = {
-    "gpt-tiny": lambda b: _gpt(vocab=128, seq=32, dim=64, layers=2, heads=4, batch=b),
-    "gpt-mini": lambda b: _gpt(vocab=8192, seq=256, dim=256, layers=4, heads=4, batch=b),
-    "gpt-small": lambda b: _gpt(vocab=50257, seq=1024, dim=768, layers=12, heads=12, batch=b),
+BUILDERS: dict[str, Callable[..., Example]] = {
+    "gpt-tiny": partial(_gpt, vocab=128, seq=32, dim=64, layers=2, heads=4),
+    "gpt-mini": partial(_gpt, vocab=8192, seq=256, dim=256, layers=4, heads=4),
+    "gpt-small": partial(_gpt, vocab=50257, seq=1024, dim=768, layers=12, heads=12),
     "resnet-tiny": lambda b: _classification(ResNet(16, (1, 1, 1), 10), _image(b, 64), 10),
     "resnet-mini": lambda b: _classification(ResNet(32, (1, 1, 1, 1), 100), _image(b, 96), 100),
     "resnet": lambda b: _classification(ResNet(64, (2, 2, 2, 2), 1000), _image(b, 224), 1000),
@@ -262,14 +268,19 @@ BATCH = {"gpt-tiny": 2, "gpt-mini": 4, "gpt-small": 4, "resnet-tiny": 8, "resnet
 
 
 def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int | None = None,
-          device: str | torch.device = "cpu") -> Example:
+          device: str | torch.device = "cpu", head_in_loss: bool = False) -> Example:
     """Build a built-in model by name (see `BUILDERS`), with deterministic weights and data
     (drawn on the CPU, so the same on every device), at its default batch size or `batch`,
-    on `device`."""
+    on `device`. With `head_in_loss` a GPT returns its final hidden states and its head
+    runs in the loss, `optremat.CausalLMLoss(chunks="auto")`, so that a plan may run them in
+    token chunks (the same weights and loss; the labels are shifted)."""
     if name not in BUILDERS:
         raise KeyError(f"unknown built-in model {name!r}; choose one of {', '.join(sorted(BUILDERS))}")
+    if head_in_loss and not name.startswith("gpt"):
+        raise ValueError(f"head_in_loss is for the built-in GPTs, not {name!r}")
     torch.manual_seed(seed)
-    example = BUILDERS[name](BATCH[name] if batch is None else batch).to(device)
+    batch = BATCH[name] if batch is None else batch
+    example = (BUILDERS[name](batch, head_in_loss=True) if head_in_loss else BUILDERS[name](batch)).to(device)
     if dtype != torch.float32:
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in example.inputs)
         return Example(example.model.to(dtype), inputs, example.loss_fn)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -51,3 +52,33 @@ def test_cli_max_batch() -> None:
     assert report["planned_batch"] >= report["unplanned_batch"] > 0
     bad = run("--memory", "lots")
     assert bad.returncode == 2 and "memory size" in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+def test_an_alternative_way_that_holds_less_fits_more_and_is_named() -> None:
+    """A way of running the step that holds half the bytes for 5% more compute: planned,
+    the search takes it where the step as given no longer fits, and names it."""
+    at = graph_at(traced("gpt-tiny", 1), traced("gpt-tiny", 2), 1, 2)
+
+    def half(batch: int):
+        graph = at(batch)
+        return replace(graph, size=graph.size // 2, cost=graph.cost * 1.05)
+
+    memory = 4 * 2**20
+    alone = max_batch(at, memory, max_overhead=0.25, time_limit=0.1, deterministic=True)
+    both = max_batch(at, memory, max_overhead=0.25, time_limit=0.1, deterministic=True, alternatives=[("half", half)])
+    assert both.unplanned == alone.unplanned and both.planned > alone.planned
+    assert both.planned_with == "half" and 0.05 - 1e-9 <= both.planned_overhead <= 0.25
+
+
+@pytest.mark.slow
+def test_cli_max_batch_prices_the_head_in_chunks() -> None:
+    result = console.run("max-batch", "--model", "gpt-tiny", "--memory", "4MiB", "--time-limit", "0.1",
+                         "--deterministic", "--head-chunks", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["planned_batch"] >= report["unplanned_batch"] > 0 and "planned_with" in report
+
+
+def test_cli_max_batch_head_chunks_are_for_gpts() -> None:
+    bad = console.run("max-batch", "--model", "resnet-tiny", "--memory", "4MiB", "--head-chunks")
+    assert bad.returncode == 2 and "--head-chunks is for the built-in GPTs" in bad.stderr

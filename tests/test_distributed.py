@@ -143,6 +143,48 @@ def test_a_transformers_llama_under_a_per_rank_plan(parallel: FSDP | DDP) -> Non
         np.testing.assert_allclose(ranks[0][4][name], p.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def hf_llama_own_loss_rank() -> tuple[int, int, int, int | None, bool, dict]:
+    """One FSDP2 rank stepping a transformers Llama on its share of the batch with its own
+    loss (`labels`), the LM head left to the plan: (budget, predicted peak, measured
+    peak, the head's chunks, whether the output's logits were None, whole gradients)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, tokens = hf_llama()
+    mine = tokens.chunk(world)[rank].contiguous()
+    batch = {"input_ids": mine, "labels": mine}
+    made = optremat.distributed.plan(model, batch, 0.6, FSDP(units=("model.layers.*",)), time_limit=1,
+                                     deterministic=True)
+    optremat.apply(model, made)
+    wrapped = wrap(model, made.parallel)
+    outputs = []
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        outputs.append(wrapped(**batch))
+        outputs[-1].loss.backward()
+
+    step()
+    peak = rank_peak(model, wrapped, batch, step)
+    return (made.budget_bytes, made.predicted_peak_bytes, peak, made.chunking.chunks, outputs[0].logits is None,
+            whole_gradients(model))
+
+
+def test_a_transformers_llama_with_its_head_chunked_under_fsdp2() -> None:
+    """Below what its whole head allows, each FSDP2 rank runs the Llama's head and loss
+    in token chunks inside the model's forward (the root unit's weights gathered once
+    for the whole chunk loop): the mean of the ranks' losses has the single process's
+    gradients, and each rank's peak is near its prediction."""
+    pytest.importorskip("transformers")
+    ranks = run_local(hf_llama_own_loss_rank, WORLD)
+    model, tokens = hf_llama()
+    (sum(model(input_ids=half, labels=half).loss for half in tokens.chunk(WORLD)) / WORLD).backward()
+    for budget, predicted, measured, chunks, no_logits, _ in ranks:
+        assert chunks is not None and no_logits
+        assert measured <= 1.05 * budget and abs(measured - predicted) <= 0.10 * predicted, (budget, predicted, measured)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(ranks[0][5][name], p.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def replanning_rank() -> tuple[str, str]:
     """One DDP rank replanning at a new batch size: first the same size on both ranks, then
     rank 1 at another: (the new shape's regions, the warning at the mismatched shape)."""

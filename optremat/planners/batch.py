@@ -6,12 +6,16 @@ without tracing or allocating at that size. Costs are interpolated the same way,
 is approximate (a roofline cost is the larger of a compute and a memory time), so the
 overhead of a planned batch is an estimate. The search grows the batch geometrically
 until it stops fitting, then bisects.
+
+A step that can run in other ways computing the same thing (a causal LM's head and loss
+in token chunks) gives each as an alternative: a planned batch fits when any way's plan
+fits, its overhead counted against the first way's unplanned compute.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -24,12 +28,15 @@ from optremat.planners.solve import solve
 
 @dataclass(frozen=True)
 class BatchSearch:
-    """Largest batch that fits unplanned, and planned within the overhead cap (with its overhead)."""
+    """Largest batch that fits unplanned, and planned within the overhead cap (with its
+    overhead, and the name of the alternative way of running the step its plan takes;
+    "" for the step as given)."""
 
     memory: int
     unplanned: int
     planned: int
     planned_overhead: float
+    planned_with: str = ""
 
     @property
     def ratio(self) -> float:
@@ -59,61 +66,74 @@ def graph_at(small: Graph, large: Graph, b_small: int, b_large: int) -> Callable
 
 def max_batch(graph_for: Callable[[int], Graph], memory: int, *, max_overhead: float = 0.25,
               time_limit: float = 10.0, deterministic: bool = False, limit: int = 1 << 20,
-              progress: Callable[[str, int, bool], None] | None = None) -> BatchSearch:
+              progress: Callable[[str, int, bool], None] | None = None,
+              alternatives: Sequence[tuple[str, Callable[[int], Graph]]] = ()) -> BatchSearch:
     """Search the largest batch whose unplanned step fits `memory`, and the largest whose
     planned step fits with at most `max_overhead` extra compute (solver "auto" with
     `time_limit` per try, in deterministic time with `deterministic`, so that the answer
-    does not depend on machine load; the planned step's peak is checked on every op)."""
+    does not depend on machine load; the planned step's peak is checked on every op).
+    `alternatives` are other ways of running the step, by name: each is planned too, and
+    the cheapest that fits is taken."""
 
-    def unplanned(batch: int) -> tuple[bool, float]:
+    def unplanned(batch: int) -> tuple[bool, float, str]:
         graph = graph_for(batch)
-        return simulate(graph, keep_all(graph)).peak_bytes <= memory, 0.0
+        return simulate(graph, keep_all(graph)).peak_bytes <= memory, 0.0, ""
 
-    def planned(batch: int) -> tuple[bool, float]:
+    def planned(batch: int) -> tuple[bool, float, str]:
         graph = graph_for(batch)
         if simulate(graph, keep_all(graph)).peak_bytes <= memory:
-            return True, 0.0
-        coarse = coarsen(graph)
-        try:
-            solution = solve(coarse.coarse, memory, "auto", time_limit=time_limit, deterministic=deterministic)
-        except (InfeasibleBudget, TimeoutError):
-            return False, 0.0
-        result = simulate(coarse.fine, coarse.expand(solution.schedule))
-        return result.peak_bytes <= memory and result.overhead <= max_overhead, result.overhead
+            return True, 0.0, ""
+        total = graph.total_cost
+        fitting = [(overhead, name) for name, way in [("", graph_for), *alternatives]
+                   if (overhead := _planned_overhead(way(batch), memory, total, time_limit, deterministic))
+                   is not None and overhead <= max_overhead]
+        return (True, *min(fitting)) if fitting else (False, 0.0, "")
 
-    largest_unplanned, _ = _search(unplanned, 1, limit, "unplanned", progress)
-    largest_planned, overhead = _search(planned, max(largest_unplanned, 1), limit, "planned", progress)
-    return BatchSearch(memory, largest_unplanned, largest_planned, overhead)
+    largest_unplanned, _, _ = _search(unplanned, 1, limit, "unplanned", progress)
+    largest_planned, overhead, way = _search(planned, max(largest_unplanned, 1), limit, "planned", progress)
+    return BatchSearch(memory, largest_unplanned, largest_planned, overhead, way)
 
 
-def _search(fits: Callable[[int], tuple[bool, float]], start: int, limit: int, label: str,
-            progress: Callable[[str, int, bool], None] | None) -> tuple[int, float]:
+def _planned_overhead(graph: Graph, memory: int, baseline: float, time_limit: float,
+                      deterministic: bool) -> float | None:
+    """The extra compute over `baseline` of `graph`'s plan within `memory` (None: none fits)."""
+    coarse = coarsen(graph)
+    try:
+        solution = solve(coarse.coarse, memory, "auto", time_limit=time_limit, deterministic=deterministic)
+    except (InfeasibleBudget, TimeoutError):
+        return None
+    result = simulate(coarse.fine, coarse.expand(solution.schedule))
+    return None if result.peak_bytes > memory else (1 + result.overhead) * graph.total_cost / baseline - 1
+
+
+def _search(fits: Callable[[int], tuple[bool, float, str]], start: int, limit: int, label: str,
+            progress: Callable[[str, int, bool], None] | None) -> tuple[int, float, str]:
     """Largest batch in [1, limit] for which `fits` holds (0 if none), assuming it holds
-    below some size and not above; with the overhead of that batch's plan."""
-    def check(batch: int) -> tuple[bool, float]:
-        ok, overhead = fits(batch)
+    below some size and not above; with the overhead and way of that batch's plan."""
+    def check(batch: int) -> tuple[bool, float, str]:
+        found = fits(batch)
         if progress is not None:
-            progress(label, batch, ok)
-        return ok, overhead
+            progress(label, batch, found[0])
+        return found
 
-    ok, overhead = check(start)
+    ok, *plan = check(start)
     if not ok:
         if start == 1:
-            return 0, 0.0
+            return 0, 0.0, ""
         return _search(fits, 1, start - 1, label, progress)
-    good, good_overhead, bad = start, overhead, None
+    good, good_plan, bad = start, plan, None
     while bad is None and good < limit:
         trial = min(good * 2, limit)
-        ok, overhead = check(trial)
+        ok, *plan = check(trial)
         if ok:
-            good, good_overhead = trial, overhead
+            good, good_plan = trial, plan
         else:
             bad = trial
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
-        ok, overhead = check(mid)
+        ok, *plan = check(mid)
         if ok:
-            good, good_overhead = mid, overhead
+            good, good_plan = mid, plan
         else:
             bad = mid
-    return good, good_overhead
+    return good, *good_plan

@@ -71,12 +71,11 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     shapes, budget and options loads the plan and runs no solver. `deterministic=True`
     gives the exact solver `time_limit` of deterministic time instead of seconds, so
     that the same call returns the same plan on any machine load. `parallel` plans one
-    rank of an FSDP2 or DDP job (`optremat.FSDP`, `optremat.DDP`); there "auto" keeps a
-    causal LM's own head (a chunked head calls the head's weight outside FSDP's hooks).
+    rank of an FSDP2 or DDP job (`optremat.FSDP`, `optremat.DDP`); a causal LM's own
+    head runs its chunks inside the model's forward, where FSDP2's root unit holds the
+    head's weight gathered once for the whole chunk loop.
     """
     _check(solver, parallel, budget, time_limit, workers)
-    if parallel is not None and head_chunks == AUTO:
-        head_chunks = None
     own = own_head(model, example_inputs, loss_fn, head_chunks)
     if not model.training:
         warnings.warn(f"optremat: {type(model).__name__} is in eval mode (as transformers' from_pretrained returns "
