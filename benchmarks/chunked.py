@@ -6,18 +6,19 @@ own chunked `linear_cross_entropy`.
 
 The model is gpt-mini's shape (`optremat.models.GPT`: vocabulary 8192, 256 tokens, width
 256, 4 blocks, batch 4) returning its final hidden states; the loss is
-`optremat.CausalLMLoss` over its tied head. Rows: the unplanned step with the whole head;
-per-block checkpointing (non-reentrant `torch.utils.checkpoint` around every block) with
-the whole head, and with the head and loss in `F.linear_cross_entropy` under PyTorch's
-default `LinearCrossEntropyOptions()` (its own chunk size); the step (model and whole
-loss) under `torch.compile` with PyTorch's `activation_memory_budget=0.3`
+`optremat.CausalLMLoss` over its tied head. Rows: the unplanned step with the whole
+head; per-block checkpointing (non-reentrant `torch.utils.checkpoint` around every
+block) with the whole head, and with the head and loss in `F.linear_cross_entropy` under
+PyTorch's default `LinearCrossEntropyOptions()` (its own chunk size); the step (model
+and whole loss) under `torch.compile` with PyTorch's `activation_memory_budget=0.3`
 (aot_eager_decomp_partition); optremat planned with `chunks="auto"` at each of those
-measured peaks and at 85%, 70% and 55% of per-block checkpointing's.
-The least peak of any region plan with the whole head and with the chunks optremat
-prices is stated above the table (proven by the exact search). Step times as
-`benchmarks.native` measures them: every configuration in the same process over `rounds`
-rounds after one uncounted warm-up round, in a shuffled order each round, each right
-after an unplanned step; the overhead is the median of the per-round ratios. Predicted
+measured peaks and at 85%, 70% and 55% of per-block checkpointing's. The least peak of
+any region plan with the whole head and with the chunks optremat prices is stated above
+the table (proven by the exact search). Step times as `benchmarks.native` measures them:
+every configuration in the same process over `rounds` rounds after one uncounted warm-up
+round, in a shuffled order each round, each right after an unplanned step; the overhead
+is the median of the per-round ratios, and optremat / peer the median of the per-round
+ratios of optremat's step to the step of the peer whose peak it was given. Predicted
 overheads come from the roofline time model, which prices every pass over the logits at
 memory bandwidth; on a CPU the whole head's passes over the full logits run slower than
 that and a chunk's, in cache, faster, so chunked plans measure below their prediction.
@@ -45,7 +46,8 @@ from optremat.models import HiddenGPT
 from optremat.runtime.measure import measure_peak, resident_bytes
 
 HEADER = ["method", "budget", "head", "module calls checkpointed", "predicted peak", "measured peak",
-          "measured / predicted", "predicted overhead", "measured overhead (median)", "plan s"]
+          "measured / predicted", "predicted overhead", "measured overhead (median)", "optremat / peer (median)",
+          "plan s"]
 SHAPE = dict(vocab=8192, seq=256, dim=256, layers=4, heads=4)
 GPT_SMALL = dict(vocab=50257, seq=1024, dim=768, layers=12, heads=12)
 BATCH = 4
@@ -200,7 +202,9 @@ vocabulary 50257, 1024 tokens, width 768, 12 blocks, 12 heads, batch 4) returnin
 final hidden states; the loss is `optremat.CausalLMLoss` over its tied head. The rows of
 gpt-mini's page (`python -m benchmarks.chunked`), with optremat at per-block
 checkpointing's measured peak and at 60% of it (35% of the unplanned peak). A step takes
-about 45 s on this CPU, so the overheads come from the rounds the command line names."""
+about 45 s on this CPU, so the overheads come from the rounds the command line names: one
+round is an indication only (the unplanned row's overhead, its step against itself, is
+the noise)."""
 """The gpt-small page's description, after its command line."""
 
 

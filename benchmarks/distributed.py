@@ -21,8 +21,8 @@ every decoder layer a unit, ops priced by the H100 roofline. Per-block checkpoin
 (every decoder layer checkpointed whole, as HF's `gradient_checkpointing_enable()` and
 torchtitan's full AC do, the LM head whole) is priced by the same simulator, and
 optremat is planned, its LM head whole or in token chunks as the plan chooses, with its
-peak as the budget, at 60% and 80% of it, and at budgets between it and the unplanned
-peak.
+peak as the budget, at 60% and 80% of it (and, where those are out of reach, at the least
+peak their search found), and at budgets between it and the unplanned peak.
 
 The simulated rows are predictions: no GPU ran them, and the GPU effects the model leaves
 out (CUDA streams holding freed buffers, FSDP2's forward prefetch) would add to them. The
@@ -60,7 +60,9 @@ SEQUENCE, RANKS, ADAMW = 4096, (8, 64), 4.0
 BETWEEN = (0.25, 0.5)
 """optremat's further budgets: these fractions of the way from per-block's peak to the unplanned one."""
 BELOW = (0.6, 0.8)
-"""and these fractions of per-block's peak, which only an LM head in chunks reaches."""
+"""and these fractions of per-block's peak, which only an LM head in chunks reaches; where
+one is out of reach, the least peak that search found is planned too."""
+LEAST = "least found"
 
 
 def measured(rounds: int, limit: float) -> list[list[str]]:
@@ -124,7 +126,9 @@ def simulated(limit: float) -> tuple[list[list[str]], dict[str, list[tuple[float
             lines[f"optremat, {label}"] = []
             budgets = [(f"{f:.0%} of per-block", int(block_peak * f)) for f in BELOW] + [("= per-block", block_peak)]
             budgets += [("", int(block_peak + step * (unplanned - block_peak))) for step in BETWEEN]
-            for note, budget in budgets:
+            least_tried = False
+            while budgets:
+                note, budget = budgets.pop(0)
                 started = time.perf_counter()
                 try:
                     made = optremat.plan(model, batch, budget, time_limit=limit, **options)
@@ -134,6 +138,9 @@ def simulated(limit: float) -> tuple[list[list[str]], dict[str, list[tuple[float
                                  f"infeasible (least {format_bytes(error.smallest)})", "-", "-",
                                  f"{time.perf_counter() - started:.0f}"])
                     print(" | ".join(rows[-1]), flush=True)
+                    if error.smallest < block_peak and not least_tried:
+                        budgets.insert(0, (LEAST, error.smallest))
+                        least_tried = True
                     continue
                 chunks = made.chunking.chunks
                 rows.append([name, f"{params / 1e9:.2f}B", str(world), format_bytes(unplanned),

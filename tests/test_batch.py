@@ -11,6 +11,7 @@ import pytest
 from optremat import extract, keep_all, simulate
 from optremat.models import build
 from optremat.planners.batch import graph_at, max_batch
+from optremat.planning.batch import batch_ways
 from tests import console
 from tests.console import Ran
 
@@ -82,3 +83,15 @@ def test_cli_max_batch_prices_the_head_in_chunks() -> None:
 def test_cli_max_batch_head_chunks_are_for_gpts() -> None:
     bad = console.run("max-batch", "--model", "resnet-tiny", "--memory", "4MiB", "--head-chunks")
     assert bad.returncode == 2 and "--head-chunks is for the built-in GPTs" in bad.stderr
+
+
+def test_a_gpts_ways_are_its_head_whole_and_in_each_chunk_count() -> None:
+    """`batch_ways` traces the head whole, then in each count priced (gpt-tiny's 32 tokens
+    at batch 1 make chunks of 16 in two); each way's graph at a batch not traced is the
+    one traced there."""
+    ways = dict(batch_ways("gpt-tiny", head_chunks=True))
+    assert list(ways) == ["", "2 chunks"]
+    example = build("gpt-tiny", batch=3, head_in_loss=True)
+    want = extract(example.model, example.inputs, example.loss_fn.with_chunks(2))
+    got = ways["2 chunks"](3)
+    assert simulate(got, keep_all(got)).peak_bytes == simulate(want, keep_all(want)).peak_bytes

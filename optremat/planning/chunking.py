@@ -23,8 +23,14 @@ from optremat.planning.native import ROUNDING
 from optremat.planning.result import Chunking, Plan
 from optremat.tracing.lm_loss import CausalLMLoss
 
-CHOICES = (None, 2, 4, 8, 16, 32)
-"""The chunk counts priced (None: whole), those above the number of tokens left out."""
+CHOICES = (None, 2, 4, 8, 16, 32, 64, 128)
+"""The chunk counts priced (None: whole), those leaving a chunk under `MIN_ROWS` tokens out.
+PyTorch's own default for `F.linear_cross_entropy` on a CPU runs 32-token chunks (128 on
+gpt-small's 4096 tokens, 64 on gpt-mini's 1024), so the counts reach that far."""
+
+MIN_ROWS = 16
+"""The fewest tokens a chunk is priced with: below that the head's matmuls run at a small
+fraction of their speed for little less memory."""
 
 
 def head_name(model: nn.Module, loss_fn: CausalLMLoss) -> str:
@@ -41,7 +47,7 @@ def head_name(model: nn.Module, loss_fn: CausalLMLoss) -> str:
 
 def choices(tokens: int) -> tuple[int | None, ...]:
     """The chunk counts priced for a loss over `tokens` positions."""
-    return tuple(k for k in CHOICES if k is None or k <= tokens)
+    return tuple(k for k in CHOICES if k is None or k * MIN_ROWS <= tokens)
 
 
 def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: Sequence[int | None], head: str,
