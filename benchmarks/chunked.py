@@ -14,7 +14,7 @@ and whole loss) under `torch.compile` with PyTorch's `activation_memory_budget=0
 (aot_eager_decomp_partition); optremat planned with `chunks="auto"` at each of those
 measured peaks and at 85%, 70% and 55% of per-block checkpointing's. The least peak of
 any region plan with the whole head and with the chunks optremat prices is stated above
-the table (proven by the exact search). Step times as `benchmarks.native` measures them:
+the table (proven where the exact search proved it). Step times as `benchmarks.native` measures them:
 every configuration in the same process over `rounds` rounds after one uncounted warm-up
 round, in a shuffled order each round, each right after an unplanned step; the overhead
 is the median of the per-round ratios, and optremat / peer the median of the per-round

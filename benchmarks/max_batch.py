@@ -103,7 +103,8 @@ def main() -> None:
                    f"--max-overhead {args.max_overhead} --limit {args.limit:g}`. Peaks are simulated on every op "
                    "(parameters and gradients included); a planned batch's schedule (run as it is in compiled graphs) "
                    "must fit with at most the overhead cap of extra compute (roofline costs, interpolated across batch "
-                   "sizes).\n\n" + text + "\n")
+                   "sizes). A \"+chunks\" row's plans put the LM head in chunks under that op-level schedule: "
+                   "simulated only, as no compiled step with the head in chunks was run.\n\n" + text + "\n")
     print(f"wrote {OUT}")
 
 

@@ -60,6 +60,16 @@ def test_the_trainer_callback_plans_on_the_first_batch_and_trains_the_same(tmp_p
     assert again.plan.cached
 
 
+def test_the_trainer_trains_the_same_with_the_head_in_chunks(tmp_path) -> None:
+    """GPT-2's own loss with its LM head and loss run in 4 token chunks under the Trainer:
+    the same losses as unplanned, to float32's summation order."""
+    want = train(tmp_path / "plain", [])
+    callback = PlanCallback(0.9, time_limit=2, deterministic=True, head_chunks=4)
+    got = train(tmp_path / "chunked", [callback])
+    assert callback.plan.chunking.chunks == 4 and "4 token chunks" in callback.plan.summary()
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_the_callback_refuses_a_model_with_transformers_own_checkpointing(tmp_path) -> None:
     with pytest.raises(ValueError, match="own activation checkpointing"):
         train(tmp_path, [PlanCallback(0.7, time_limit=5)], checkpointing=True)
