@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import optremat
 from benchmarks.report import machine, table

@@ -24,8 +24,8 @@ from optremat.core.budget import parse_size
 from optremat.heuristics import NotAChain
 from optremat.ilp.cpsat import min_peak_cpsat
 from optremat.planners.batch import max_batch
-from optremat.planning.batch import batch_ways
 from optremat.planners.solve import HEURISTICS
+from optremat.planning.batch import batch_ways
 
 OUT = Path(__file__).with_name("max_batch.md")
 CHUNKED = "+chunks"

@@ -13,8 +13,8 @@ from optremat.models import HiddenGPT
 from optremat.planners.regions import Region
 from optremat.planning import chunking
 from optremat.runtime.measure import measure_step
-from optremat.tracing.extract import extract
 from optremat.tracing import lm_loss
+from optremat.tracing.extract import extract
 from optremat.tracing.lm_loss import CausalLMLoss
 
 torch.set_num_threads(1)
