@@ -83,10 +83,11 @@ def max_batch(graph_for: Callable[[int], Graph], memory: int, *, max_overhead: f
         graph = graph_for(batch)
         if simulate(graph, keep_all(graph)).peak_bytes <= memory:
             return True, 0.0, ""
-        total = graph.total_cost
-        fitting = [(overhead, name) for name, way in [("", graph_for), *alternatives]
-                   if (overhead := _planned_overhead(way(batch), memory, total, time_limit, deterministic))
-                   is not None and overhead <= max_overhead]
+        fitting = []
+        for name, way in [("", graph_for), *alternatives]:
+            overhead = _planned_overhead(way(batch), memory, graph.total_cost, time_limit, deterministic)
+            if overhead is not None and overhead <= max_overhead:
+                fitting.append((overhead, name))
         return (True, *min(fitting)) if fitting else (False, 0.0, "")
 
     largest_unplanned, _, _ = _search(unplanned, 1, limit, "unplanned", progress)

@@ -5,11 +5,11 @@ made, turned into their gradient and dropped; the backward only scales the gradi
 the loss's own), so neither recomputes a logit:
 
 - PyTorch's `F.linear_cross_entropy` with `LinearCrossEntropyOptions(batch_chunk_size=...)`
-  covers the plain loss on an accelerator. Its chunked path is one custom op (`torch_nn::_linear_cross_
-  entropy_batch_chunked`) whose fake kernel reports only its outputs, so a trace would
-  not see the chunk's logits it allocates; `DECOMPOSITIONS` lets a trace record the op's
-  own Python implementation instead, op by op, so that every buffer it allocates is
-  priced as it runs.
+  covers the plain loss on an accelerator. Its chunked path is one custom op
+  (`torch_nn::_linear_cross_entropy_batch_chunked`) whose fake kernel reports only its
+  outputs, so a trace would not see the chunk's logits it allocates; `DECOMPOSITIONS`
+  lets a trace record the op's own Python implementation instead, op by op, so that
+  every buffer it allocates is priced as it runs.
 - `ChunkedCrossEntropy`, ours, covers what PyTorch's chunked path refuses (it falls back
   to the whole logits for label smoothing) or cannot express (Gemma 2's final logit
   softcapping), any loss on a CPU (where it is faster, `EXP_FLOOR`), and any loss when

@@ -163,9 +163,8 @@ def _torch_kernel_runs(hidden: torch.Tensor) -> bool:
     CPU they run in `ChunkedCrossEntropy`, which traces as it runs. There PyTorch's
     kernel is slower than the whole head (its `exp` computes denormals for a wide-logit
     model's chunks: gpt-mini's step with 2 chunks measured 1.5x the whole head's, with
-    ours 0.9x) and, in
-    bfloat16, casts the head's weight to float32 once per chunk where the implementation
-    a trace records casts it once (1.27x the traced peak)."""
+    ours 0.9x) and, in bfloat16, casts the head's weight to float32 once per chunk where
+    the implementation a trace records casts it once (1.27x the traced peak)."""
     return hidden.device.type != "cpu"
 
 
