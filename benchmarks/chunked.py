@@ -3,6 +3,7 @@ checkpointed module calls against per-block checkpointing, with and without PyTo
 own chunked `linear_cross_entropy`.
 
     python -m benchmarks.chunked [--model gpt-mini|gpt-small|llama] [--rounds 9] [--limit 20]
+                                 [--cost-model roofline|profile]
 
 The model is gpt-mini's shape (`optremat.models.GPT`: vocabulary 8192, 256 tokens, width
 256, 4 blocks, batch 4) returning its final hidden states; the loss is
@@ -12,7 +13,8 @@ block) with the whole head, and with the head and loss in `F.linear_cross_entrop
 PyTorch's default `LinearCrossEntropyOptions()` (its own chunk size); the step (model
 and whole loss) under `torch.compile` with PyTorch's `activation_memory_budget=0.3`
 (aot_eager_decomp_partition); optremat planned with `chunks="auto"` at each of those
-measured peaks and at 85%, 70% and 55% of per-block checkpointing's. The least peak of
+measured peaks (where no plan is predicted to fit one, at the least peak found, timed
+against that peer) and at 85%, 70% and 55% of per-block checkpointing's. The least peak of
 any region plan with the whole head and with the chunks optremat prices is stated above
 the table (proven where the exact search proved it). Step times as `benchmarks.native` measures them:
 every configuration in the same process over `rounds` rounds after one uncounted warm-up
@@ -22,11 +24,14 @@ ratios of optremat's step to the step of the peer whose peak it was given. Predi
 overheads come from the roofline time model, which prices every pass over the logits at
 memory bandwidth; on a CPU the whole head's passes over the full logits run slower than
 that and a chunk's, in cache, faster, so chunked plans measure below their prediction.
+With `--cost-model profile` (page `chunked_profile.md`) every op of every count's step is
+timed on this machine instead, and the predictions follow.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 import time
@@ -44,6 +49,7 @@ from optremat.bench import checkpointed_blocks, hf_checkpointing, torch_budget_b
 from optremat.core.graph import format_bytes
 from optremat.models import HiddenGPT
 from optremat.runtime.measure import measure_peak, resident_bytes
+from optremat.tracing.costs import COST_MODELS
 
 HEADER = ["method", "budget", "head", "module calls checkpointed", "predicted peak", "measured peak",
           "measured / predicted", "predicted overhead", "measured overhead (median)", "optremat / peer (median)",
@@ -75,18 +81,19 @@ def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tens
     return loss
 
 
-def gpt_mini(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
+def gpt_mini(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
     """gpt-mini returning hidden states (`gpt`)."""
-    return gpt(SHAPE, BATCH, rounds, limit, torch_budget=0.3)
+    return gpt(SHAPE, BATCH, rounds, limit, torch_budget=0.3, cost_model=cost_model)
 
 
 def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
         dtype: torch.dtype = torch.float32, fractions: tuple[float, ...] = (0.85, 0.7, 0.55),
-        least_peaks: bool = True, torch_budget: float | None = None) -> tuple[list[str], list[list[str]]]:
+        least_peaks: bool = True, torch_budget: float | None = None, cost_model: str = "roofline"
+        ) -> tuple[list[str], list[list[str]]]:
     """`HiddenGPT` of `shape` on `device` in `dtype`, its loss a `CausalLMLoss`, against
     per-block checkpointing with the whole head and with PyTorch's chunked loss, and with
     `torch_budget` against the step (model and whole loss) compiled under PyTorch's
-    `activation_memory_budget`."""
+    `activation_memory_budget`; optremat's ops priced by `cost_model`."""
     torch.manual_seed(0)
     model = HiddenGPT(**shape).to(device, dtype)
     idx = torch.randint(0, shape["vocab"], (batch, shape["seq"]), device=device)
@@ -110,11 +117,11 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         forward = torch.compile(lambda ids: whole(model(ids)), backend=torch_budget_backend(torch_budget))
         peers[f"PyTorch activation_memory_budget {torch_budget:g} (torch.compile)"] = (
             "whole", lambda: torch.autograd.grad(forward(idx), params))
-    return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole), dict(loss_fn=auto),
-                   rounds, limit, device, fractions, least_peaks)
+    return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, cost_model=cost_model),
+                   dict(loss_fn=auto, cost_model=cost_model), rounds, limit, device, fractions, least_peaks)
 
 
-def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
+def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
     """The Llama with its own loss, against transformers' own gradient checkpointing."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -137,17 +144,18 @@ def llama(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
             return step()
 
     return compare(model, inputs, step, step, {"gradient_checkpointing_enable()": ("whole", per_block)},
-                   dict(head_chunks=None), {}, rounds, limit)
+                   dict(head_chunks=None, cost_model=cost_model), dict(cost_model=cost_model), rounds, limit)
 
 
-def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers: dict[str, tuple[str, Step]],
+def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, peers: dict[str, tuple[str, Step]],
             whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float, device: str = "cpu",
             fractions: tuple[float, ...] = (0.85, 0.7, 0.55), least_peaks: bool = True
             ) -> tuple[list[str], list[list[str]]]:
     """The least peaks of region plans with the whole head (`whole`: plan()'s options
     for it) and with its chunks priced (`auto`), and the rows: the `unplanned` step, each
-    of `peers` (its head, its step), and optremat's plans (`planned` run with each
-    installed) at each peer's measured peak and at `fractions` of the first one's,
+    of `peers` (its head, its step), and optremat's plans (`planned_step` run with each
+    installed) at each peer's measured peak (at the least peak found where none fits
+    it, timed against that peer) and at `fractions` of the first one's,
     every peak measured on `device` (the least peaks left out without `least_peaks`)."""
     params = list(model.parameters())
     resident = [params, list(model.buffers()), inputs]
@@ -173,17 +181,12 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers
         except optremat.InfeasibleBudget as error:
             floors.append(f"least peak of any region plan, {name}: {format_bytes(error.smallest)}"
                           f"{' (proven)' if error.proven else ''}")
-    for label, budget in [(f"= {name}", peak) for name, peak in peaks.items()] + [
-            (f"{f:.0%} of {peer}", int(peer_peak * f)) for f in fractions]:
+
+    def planned(label: str, budget: int) -> None:
         started = time.perf_counter()
-        try:
-            plan = optremat.plan(model, inputs, budget, time_limit=limit, **auto)
-        except optremat.InfeasibleBudget as error:
-            methods[label] = (None, {"method": "optremat", "budget": label,
-                                     "predicted peak": f"infeasible (smallest {format_bytes(error.smallest)})"})
-            continue
+        plan = optremat.plan(model, inputs, budget, time_limit=limit, **auto)
         seconds = time.perf_counter() - started
-        run = under(model, plan, planned)
+        run = under(model, plan, planned_step)
         peak = measured(run)
         chunks = plan.chunking.chunks
         methods[label] = (run, {
@@ -193,6 +196,17 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned: Step, peers
             "predicted peak": format_bytes(plan.predicted_peak_bytes), "measured peak": format_bytes(peak),
             "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
             "predicted overhead": f"{plan.predicted_overhead:+.1%}", "plan s": f"{seconds:.1f}"})
+
+    for label, budget in [(f"= {name}", peak) for name, peak in peaks.items()] + [
+            (f"{f:.0%} of {peer}", int(peer_peak * f)) for f in fractions]:
+        try:
+            planned(label, budget)
+        except optremat.InfeasibleBudget as error:
+            methods[label] = (None, {"method": "optremat", "budget": label,
+                                     "predicted peak": f"infeasible (smallest {format_bytes(error.smallest)})"})
+            if label.startswith("= "):  # the least peak found, measured against the peer it could not match
+                with contextlib.suppress(optremat.InfeasibleBudget):
+                    planned(f"{label}, least peak found", error.smallest)
     _time(methods, rounds, device)
     return floors, [[fields.get(column, "-") for column in HEADER] for _, fields in methods.values()]
 
@@ -208,9 +222,9 @@ the noise)."""
 """The gpt-small page's description, after its command line."""
 
 
-def gpt_small(rounds: int, limit: float) -> tuple[list[str], list[list[str]]]:
+def gpt_small(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
     """gpt-small returning hidden states (`gpt`), planned down to 35% of its unplanned peak."""
-    return gpt(GPT_SMALL, BATCH, rounds, limit, fractions=(0.6,))
+    return gpt(GPT_SMALL, BATCH, rounds, limit, fractions=(0.6,), cost_model=cost_model)
 
 
 MODELS = {"gpt-mini": (gpt_mini, "chunked.md", "", None),
@@ -224,12 +238,16 @@ def main() -> None:
     parser.add_argument("--model", choices=tuple(MODELS), default="gpt-mini")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=20.0)
+    parser.add_argument("--cost-model", default="roofline", choices=COST_MODELS,
+                        help="how plans price ops: the roofline model, or each op timed here (profile)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread, no GPU"
     command = " ".join(["python -m benchmarks.chunked"] + sys.argv[1:])
     rows, out, title, page = MODELS[args.model]
-    floors, table = rows(args.rounds, args.limit)
+    floors, table = rows(args.rounds, args.limit, args.cost_model)
+    if args.cost_model != "roofline":
+        out = out.replace(".md", f"_{args.cost_model}.md")
     page = page or __doc__.split("\n\n", 2)[2].strip()
     head = [f"# LM head chunks chosen with the region plan{title}", "",
             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "", page, "",

@@ -195,6 +195,18 @@ def test_profiling_costs_leaves_the_model_as_it_was():
     assert torch.equal(embedding[0].weight, weight)
 
 
+def test_an_op_writing_into_its_input_runs_once_on_it_however_often_it_is_timed():
+    """Its trial runs write into copies, so its input ends as one run leaves it."""
+    from optremat.tracing.costs import profile_costs
+
+    aten = torch.ops.aten
+    gm = torch.fx.symbolic_trace(lambda x: aten.add_.Scalar(aten.mul_.Scalar(x, 2), 1))
+    x = torch.ones(64)
+    seconds = profile_costs(gm, [x], repeats=3, once=lambda node: True)
+    assert torch.equal(x, torch.full((64,), 3.0))
+    assert len(seconds) == 2 and all(0 < s < 1 for s in seconds.values())
+
+
 def test_an_in_place_matmul_costs_what_the_matmul_costs():
     """`addmm_` (a chunked loss accumulating its weight gradient) multiplies as `addmm` does."""
     from optremat.tracing.costs import op_flops

@@ -269,6 +269,27 @@ def test_at_the_unplanned_peak_the_cheapest_head_is_chosen(lm, few_choices) -> N
     assert found.predicted_overhead <= 0 and found.lower_bound <= found.predicted_overhead
 
 
+@pytest.mark.parametrize("fraction", [0.9, 1.2])
+def test_the_count_chosen_is_the_cheapest_of_every_count_planned_alone(lm, few_choices, fraction: float) -> None:
+    """Counts whose step alone costs more than a plan found are not solved; what is
+    chosen is still the cheapest plan of any count, each planned on its own (in the
+    whole head's step cost), and the bound holds for all of them."""
+    model, idx, ids, per_block = lm
+    budget = int(per_block.predicted_peak_bytes * fraction)
+    found = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids), time_limit=5)
+    alone = {}
+    for k in chunking.CHOICES:
+        try:
+            plan = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids, chunks=k), time_limit=5)
+        except optremat.InfeasibleBudget:
+            continue
+        assert plan.status == OPTIMAL
+        alone[k] = plan.graph.total_cost * (1 + plan.predicted_overhead)
+    whole_cost = per_block.graph.total_cost * (1 + found.predicted_overhead)  # its overhead is of the whole head
+    assert whole_cost == pytest.approx(min(alone.values()), rel=1e-6)
+    assert found.status == OPTIMAL and found.chunking.chunks in alone
+
+
 def test_a_head_outside_the_model_is_refused(lm) -> None:
     model, idx, ids, _ = lm
     with pytest.raises(ValueError, match="not a parameter of HiddenGPT"):

@@ -1,7 +1,7 @@
 """The LM head's chunking chosen with the region plan: a causal LM's head and loss
 (`CausalLMLoss(chunks="auto")`, or a transformers causal LM's own, `causal_lm`) run whole
-or in k token chunks, each count traced and its region plan solved exactly, the cheapest
-that fits the budget kept.
+or in k token chunks, each count traced and its region plan solved exactly (unless its
+step alone costs more than a plan found already), the cheapest that fits the budget kept.
 
 Every count in `CHOICES` is priced, so where each region search is proven the chosen
 plan is optimal over counts and regions together; its overhead and bound are of the
@@ -10,6 +10,7 @@ unplanned step with the whole head, as its budget fraction is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -54,27 +55,32 @@ def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: 
                   budget_bytes: int, solve: Callable[[RegionMap, float], Plan], time_limit: float) -> Plan:
     """The cheapest plan that fits over every count in `tried`: `whole` is the step with
     the whole head, `map_for(k)` the one in k chunks, `solve(rmap, time_limit)` the
-    exact region plan for one (each gets an equal share of `time_limit`). Ties go to
-    fewer chunks. OPTIMAL when the plan meets the least bound of all counts (a count no
-    plan fits counts only when its search proved it). InfeasibleBudget when no count
-    fits, naming the least peak found over all."""
+    exact region plan for one (each gets an equal share of `time_limit`). Counts are
+    solved from the cheapest step up; one whose step alone costs more than a plan found
+    already is not solved, its step's cost its bound. Ties go to fewer chunks. OPTIMAL
+    when the plan meets the least bound of all counts (a count no plan fits counts only
+    when its search proved it). InfeasibleBudget when no count fits, naming the least
+    peak found over all."""
     total = whole.graph.total_cost
     share = time_limit / len(tried)
-    found: list[tuple[int | None, Plan, float, float | None]] = []
+    maps = {k: whole if k is None else map_for(k) for k in tried}
+    found: dict[int | None, tuple[Plan | None, float, float | None]] = {}
     refusals: list[InfeasibleBudget] = []
-    for k in tried:
-        rmap = whole if k is None else map_for(k)
-        scale = rmap.graph.total_cost / total
+    for k in sorted(tried, key=lambda k: maps[k].graph.total_cost):
+        scale = maps[k].graph.total_cost / total
+        if scale - 1 > min((f[1] for f in found.values()), default=math.inf) + ROUNDING:
+            found[k] = (None, math.inf, scale - 1)
+            continue
         try:
-            plan = solve(rmap, share)
+            plan = solve(maps[k], share)
         except InfeasibleBudget as error:
             refusals.append(error)
             if not error.impossible:
-                found.append((k, None, float("inf"), scale - 1))  # not proven impossible: bound by the step's cost
+                found[k] = (None, math.inf, scale - 1)  # not proven impossible: bound by the step's cost
             continue
         bound = None if plan.lower_bound is None else (1 + plan.lower_bound) * scale - 1
-        found.append((k, plan, (1 + plan.predicted_overhead) * scale - 1, bound))
-    fitting = [f for f in found if f[1] is not None]
+        found[k] = (plan, (1 + plan.predicted_overhead) * scale - 1, bound)
+    fitting = [(k, *found[k]) for k in tried if k in found and found[k][0] is not None]
     if not fitting:
         smallest = min(refusals, key=lambda e: e.smallest)
         floors = [e.floor for e in refusals]
@@ -84,7 +90,7 @@ def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: 
                                floor=None if None in floors else min(floors))
     least = min(f[2] for f in fitting)
     k, plan, overhead, _ = next(f for f in fitting if f[2] <= least + ROUNDING)  # `tried` lists fewer chunks first
-    bounds = [b for _, _, _, b in found]
+    bounds = [b for _, _, b in found.values()]
     bound = None if any(b is None for b in bounds) else min(bounds)
     scale = plan.graph.total_cost / total
     return replace(plan, baseline_peak_bytes=simulate(whole.graph, keep_all(whole.graph)).peak_bytes,
@@ -92,4 +98,3 @@ def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: 
                    status=OPTIMAL if bound is not None and overhead <= bound + ROUNDING else FEASIBLE,
                    solver_overhead=(1 + plan.solver_overhead) * scale - 1,
                    chunking=Chunking(head, k, simulate(plan.graph, keep_all(plan.graph)).peak_bytes, tuple(tried)))
-

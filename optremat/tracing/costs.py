@@ -175,7 +175,8 @@ def workspace_bytes(node: torch.fx.Node) -> int:
 
 
 class _OpTimer(torch.fx.Interpreter):
-    """Runs a traced step on real tensors, timing each op (best of `repeats`)."""
+    """Runs a traced step on real tensors, timing each op (best of `repeats`, those that
+    write into their arguments tried on copies)."""
 
     def __init__(self, module: torch.fx.GraphModule, repeats: int, once: Callable[[torch.fx.Node], bool]) -> None:
         super().__init__(module)
@@ -186,10 +187,13 @@ class _OpTimer(torch.fx.Interpreter):
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         best = float("inf")
         result = None
-        for _ in range(1 if self.writes else self.repeats):
-            _synchronize(args)
+        for repeat in range(self.repeats):
+            given = (args, kwargs)
+            if self.writes and repeat < self.repeats - 1:  # a trial run writes into copies
+                given = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, given)
+            _synchronize(given)
             start = time.perf_counter()
-            result = super().call_function(target, args, kwargs)
+            result = super().call_function(target, *given)
             _synchronize(result)
             best = min(best, time.perf_counter() - start)
         self.seconds[self.current_node] = best
@@ -209,9 +213,11 @@ def _synchronize(value: Any) -> None:
 
 def profile_costs(module: torch.fx.GraphModule, real_args: list[Any], repeats: int = 3,
                   once: Callable[[torch.fx.Node], bool] = lambda node: False) -> dict[str, float]:
-    """Measured seconds per op node name, from running `module` on `real_args`; the ops
-    `once` names (those writing into what they are given) run once: run again, they
-    would work on what their last run wrote (an `exp_` three times overflows)."""
+    """Measured seconds per op node name (the best of `repeats` runs), from running
+    `module` on `real_args`; the ops `once` names (those writing into what they are
+    given) run their trials on copies of their arguments and once on them: run again on
+    them, they would work on what their last run wrote (an `exp_` three times
+    overflows)."""
     timer = _OpTimer(module, repeats, once)
     with torch.no_grad():
         timer.run(*real_args)
