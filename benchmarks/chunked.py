@@ -7,7 +7,8 @@ own chunked `linear_cross_entropy`.
 
 The model is gpt-mini's shape (`optremat.models.GPT`: vocabulary 8192, 256 tokens, width
 256, 4 blocks, batch 4) returning its final hidden states; the loss is
-`optremat.CausalLMLoss` over its tied head. Rows: the unplanned step with the whole
+`optremat.CausalLMLoss` over its tied head; every eager step holds the hidden states
+through its backward (`out = model(idx)`), as a training loop does and plans price it. Rows: the unplanned step with the whole
 head; per-block checkpointing (non-reentrant `torch.utils.checkpoint` around every
 block) with the whole head, and with the head and loss in `F.linear_cross_entropy` under
 PyTorch's default `LinearCrossEntropyOptions()` (its own chunk size); the step (model
@@ -102,7 +103,10 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
     params = list(model.parameters())
 
     def step_of(loss_fn: Callable[[Any], torch.Tensor]) -> Step:
-        return lambda: torch.autograd.grad(loss_fn(model(idx)), params)
+        def step() -> tuple:
+            out = model(idx)  # held through the backward, as a training loop holds it and plans price it
+            return torch.autograd.grad(loss_fn(out), params)
+        return step
 
     def per_block(step: Step) -> Step:
         def run() -> tuple:
