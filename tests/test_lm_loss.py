@@ -63,6 +63,25 @@ def test_chunks_give_the_whole_loss_and_gradients(options: dict, chunks: int, bi
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.1), dict(num_items_in_batch=7)],
+                         ids=lambda o: ",".join(o) or "plain")
+def test_a_batch_whose_every_label_is_ignored_trains_as_the_whole_loss(options: dict, kernel: str) -> None:
+    """A prompt-only batch: the mean over no label is nan (a sum over `num_items_in_batch`
+    is 0) and every gradient 0, as `F.cross_entropy` has them; no nan reaches a weight."""
+    torch.manual_seed(0)
+    head = nn.Linear(H, V)
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    ignored = torch.full((B, T), -100)
+    params = list(head.parameters())
+    for chunks in (2, 8):
+        got = grads(CausalLMLoss(head, ignored, chunks=chunks, **options), hidden, params)
+        want = grads(CausalLMLoss(head, ignored, chunks=None, **options), hidden, params)
+        torch.testing.assert_close(got[0], want[0], equal_nan=True)
+        for g, w in zip(got[1:], want[1:]):
+            assert not g.isnan().any()
+            torch.testing.assert_close(g, w)
+
+
 def test_logits_spread_wider_than_exp_reaches_give_the_whole_loss_and_gradients() -> None:
     """Logits hundreds apart, whose softmax underflows float32: the chunks' cut-off
     before `exp` leaves the loss and gradients those of the whole head."""
@@ -288,6 +307,27 @@ def test_the_count_chosen_is_the_cheapest_of_every_count_planned_alone(lm, few_c
     whole_cost = per_block.graph.total_cost * (1 + found.predicted_overhead)  # its overhead is of the whole head
     assert whole_cost == pytest.approx(min(alone.values()), rel=1e-6)
     assert found.status == OPTIMAL and found.chunking.chunks in alone
+
+
+def test_replanning_with_the_loss_of_one_batch_plans_a_batch_of_another_size(lm, few_choices) -> None:
+    """A `CausalLMLoss` holds the labels of the batch it was made for; at a batch of
+    another size its labels are shaped as that batch's for planning, and the step trains
+    as unplanned."""
+    model, idx, ids, _ = lm
+    loss = CausalLMLoss(model.head, ids)
+    replan = optremat.Replanning(1.0, loss_fn=loss, time_limit=5)
+    optremat.apply(model, optremat.plan(model, (idx,), 1.0, loss_fn=loss, time_limit=5), replan=replan)
+    torch.manual_seed(1)
+    bigger, bigger_ids = torch.randint(0, 2048, (3, 64)), torch.randint(0, 2048, (3, 64))
+    params = list(model.parameters())
+    try:
+        got = torch.autograd.grad(CausalLMLoss(model.head, bigger_ids)(model(bigger)), params)
+    finally:
+        optremat.remove(model)
+    want = torch.autograd.grad(CausalLMLoss(model.head, bigger_ids, chunks=None)(model(bigger)), params)
+    assert list(replan.plans) == [("int64[3, 64]",)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_a_head_outside_the_model_is_refused(lm) -> None:

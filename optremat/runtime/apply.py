@@ -6,13 +6,14 @@ import functools
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from optremat.core.budget import check_budget
 from optremat.distributed.agree import PlanningFailed
@@ -23,6 +24,7 @@ from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime import native
 from optremat.tracing import causal_lm, lm_loss
+from optremat.tracing.extract import ExtractionError
 from optremat.tracing.inputs import Inputs, input_types
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
@@ -80,7 +82,7 @@ class Replanning:
     def _plan(self, model: nn.Module, args: Inputs, applied: Plan, head_chunks: int | None,
               key: tuple[str, ...]) -> Plan:
         budget = applied.budget_bytes if self.budget is None else self.budget
-        loss_fn = self.loss_fn
+        loss_fn = _labelled_like(self.loss_fn, args) if isinstance(self.loss_fn, CausalLMLoss) else self.loss_fn
         if applied.chunking is not None and isinstance(loss_fn, CausalLMLoss) and loss_fn.chunks == AUTO:
             loss_fn = loss_fn.with_chunks(applied.chunking.chunks)  # the head runs as the applied plan says
         options = dict(loss_fn=loss_fn, head_chunks=AUTO if loss_fn is not None else head_chunks, cache=self.cache,
@@ -92,7 +94,8 @@ class Replanning:
                 made = plan_every_rank(model, args, budget, applied.parallel, **options)
             else:
                 made = make_plan(model, args, budget, parallel=applied.parallel, **options)
-        except (ValueError, PlanningFailed) as error:  # InfeasibleBudget, a budget below what every step holds
+        except (ValueError, PlanningFailed, ExtractionError) as error:  # InfeasibleBudget, a budget below what
+            # every step holds, a loss that cannot take this shape's output
             if isinstance(error, PlanningFailed) and not error.refused:
                 raise
             warnings.warn(f"optremat: inputs {_shown(key)}: {error}; running the plan applied", stacklevel=4)
@@ -149,6 +152,18 @@ def _head(model: nn.Module, plan: Plan) -> torch.Tensor | None:
         raise native.PlanMismatch(f"the plan runs the LM head {plan.chunking.head!r} in chunks, but "
                                   f"{type(model).__name__} has no such parameter: apply a plan made for this model")
     return head
+
+
+def _labelled_like(loss_fn: CausalLMLoss, args: Inputs) -> CausalLMLoss:
+    """`loss_fn` with labels shaped as this call's token ids (its first integer tensor with
+    as many dimensions as the labels), so that a shape other than the one its labels were
+    made for is planned: a plan prices the labels' shape, not their values."""
+    labels = loss_fn.labels
+    ids = next((t for t in tree_leaves((args.args, args.kwargs)) if isinstance(t, torch.Tensor)
+                and not t.is_floating_point() and t.dim() == labels.dim()), None)
+    if ids is None or ids.shape == labels.shape:
+        return loss_fn
+    return replace(loss_fn, labels=torch.zeros(ids.shape, dtype=labels.dtype, device=labels.device))
 
 
 def _in_a_group(plan: Plan) -> bool:

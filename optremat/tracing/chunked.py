@@ -77,7 +77,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         valid = labels != ignore_index
         target = torch.where(valid, labels, 0)
-        scale = valid.to(torch.float32) / denominator
+        scale = torch.where(valid, 1 / denominator, 0.0).to(torch.float32)  # no 0/0 where every label is ignored
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
@@ -88,7 +88,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                             softcap, None if grad_hidden is None else grad_hidden[part], grad_weight, grad_bias)
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                               None if grad_bias is None else grad_bias.to(bias.dtype))
-        return total
+        return total / (denominator != 0)  # every label ignored: F.cross_entropy's nan, and gradients 0 as its
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -108,14 +108,14 @@ class CausalLMLoss:
         if chunks is None:
             return self._whole(flat, weight, bias, target)
         rows = math.ceil(flat.shape[0] / chunks)
-        if TORCH_CHUNKED and not self.label_smoothing and self.softcap is None and _torch_kernel_runs(flat):
-            options = nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
-            loss = F.linear_cross_entropy(flat, weight, target, linear_bias=bias, ignore_index=self.ignore_index,
-                                          reduction="mean" if self.num_items_in_batch is None else "sum",
-                                          options=options)
-            return loss if self.num_items_in_batch is None else loss / self.num_items_in_batch
         denominator = (torch.as_tensor(self.num_items_in_batch, device=flat.device)
                        if self.num_items_in_batch is not None else (target != self.ignore_index).sum())
+        if TORCH_CHUNKED and not self.label_smoothing and self.softcap is None and _torch_kernel_runs(flat):
+            options = nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
+            total = F.linear_cross_entropy(flat, weight, target, linear_bias=bias, ignore_index=self.ignore_index,
+                                           reduction="sum", options=options)
+            counted = denominator != 0  # every label ignored: F.cross_entropy's nan, and gradients 0 as its
+            return total * torch.where(counted, 1 / denominator, 0.0) + torch.where(counted, 0.0, torch.nan)
         return ChunkedCrossEntropy.apply(flat, weight, bias, target, rows, self.ignore_index, self.label_smoothing,
                                          self.softcap, denominator)
 
