@@ -106,7 +106,7 @@ def own_chunks(model: nn.Module, chunks: int | None) -> int | None:
 class HeadInChunks:
     """A causal LM's forward (one of `FORWARDS`) with its head and loss run by
     `CausalLMLoss` in `chunks` token chunks, returning the forward's output with
-    `logits` None; a call that computes no loss runs the model's own forward. Called as
+    `logits` None (in a tuple, None in their place); a call that computes no loss runs the model's own forward. Called as
     `HeadInChunks(k)(model, forward, *args, **kwargs)`, `forward` being the model's own."""
 
     chunks: int
@@ -128,7 +128,7 @@ class HeadInChunks:
         result = _signature(type(model)).return_annotation
         kept = {f.name: getattr(outputs, f.name, None) for f in fields(result) if f.name not in ("loss", "logits")}
         output = result(loss=loss, logits=None, **kept)
-        return output if return_dict else output.to_tuple()
+        return output if return_dict else (loss, None, *output.to_tuple()[1:])  # logits' place kept, as None
 
 
 @contextmanager
