@@ -94,8 +94,8 @@ class Replanning:
                 made = plan_every_rank(model, args, budget, applied.parallel, **options)
             else:
                 made = make_plan(model, args, budget, parallel=applied.parallel, **options)
-        except (ValueError, PlanningFailed, ExtractionError) as error:  # InfeasibleBudget, a budget below what
-            # every step holds, a loss that cannot take this shape's output
+        except (ValueError, PlanningFailed, ExtractionError) as error:
+            # InfeasibleBudget, a budget below what every step holds, a loss that cannot take this shape's output
             if isinstance(error, PlanningFailed) and not error.refused:
                 raise
             warnings.warn(f"optremat: inputs {_shown(key)}: {error}; running the plan applied", stacklevel=4)

@@ -106,8 +106,9 @@ def own_chunks(model: nn.Module, chunks: int | None) -> int | None:
 class HeadInChunks:
     """A causal LM's forward (one of `FORWARDS`) with its head and loss run by
     `CausalLMLoss` in `chunks` token chunks, returning the forward's output with
-    `logits` None (in a tuple, None in their place); a call that computes no loss runs the model's own forward. Called as
-    `HeadInChunks(k)(model, forward, *args, **kwargs)`, `forward` being the model's own."""
+    `logits` None (a tuple keeps their place, as None); a call that computes no loss runs
+    the model's own forward. Called as `HeadInChunks(k)(model, forward, *args, **kwargs)`,
+    `forward` being the model's own."""
 
     chunks: int
 
