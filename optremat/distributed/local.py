@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 """How long a rank waits in one collective before failing: a local job whose ranks stop
 meeting (gloo was seen to stall once in an FSDP2 gather under load) fails with an error

@@ -13,7 +13,6 @@ from ortools.sat.python import cp_model
 
 from optremat.ilp.interval import IntervalModel
 
-
 LEAST_SECONDS = 0.5
 """Time a solver gets even when building its model used up the limit, so that a hinted
 solve can still return its hint."""
