@@ -8,25 +8,26 @@ own chunked `linear_cross_entropy`.
 The model is gpt-mini's shape (`optremat.models.GPT`: vocabulary 8192, 256 tokens, width
 256, 4 blocks, batch 4) returning its final hidden states; the loss is
 `optremat.CausalLMLoss` over its tied head; every eager step holds the hidden states
-through its backward (`out = model(idx)`), as a training loop does and plans price it. Rows: the unplanned step with the whole
-head; per-block checkpointing (non-reentrant `torch.utils.checkpoint` around every
-block) with the whole head, and with the head and loss in `F.linear_cross_entropy` under
-PyTorch's default `LinearCrossEntropyOptions()` (its own chunk size); the step (model
-and whole loss) under `torch.compile` with PyTorch's `activation_memory_budget=0.3`
-(aot_eager_decomp_partition); optremat planned with `chunks="auto"` at each of those
-measured peaks (where no plan is predicted to fit one, at the least peak found, timed
-against that peer) and at 85%, 70% and 55% of per-block checkpointing's. The least peak of
-any region plan with the whole head and with the chunks optremat prices is stated above
-the table (proven where the exact search proved it). Step times as `benchmarks.native` measures them:
-every configuration in the same process over `rounds` rounds after one uncounted warm-up
-round, in a shuffled order each round, each right after an unplanned step; the overhead
-is the median of the per-round ratios, and optremat / peer the median of the per-round
-ratios of optremat's step to the step of the peer whose peak it was given. Predicted
-overheads come from the roofline time model, which prices every pass over the logits at
-memory bandwidth; on a CPU the whole head's passes over the full logits run slower than
-that and a chunk's, in cache, faster, so chunked plans measure below their prediction.
+through its backward (`out = model(idx)`), as a training loop does and plans price it.
+Rows: the unplanned step with the whole head; per-block checkpointing (non-reentrant
+`torch.utils.checkpoint` around every block) with the whole head, and with the head and
+loss in `F.linear_cross_entropy` under PyTorch's default `LinearCrossEntropyOptions()`
+(its own chunk size); the step (model and whole loss) under `torch.compile` with
+PyTorch's `activation_memory_budget=0.3` (aot_eager_decomp_partition); optremat planned
+with `chunks="auto"` at each of those measured peaks (where no plan is predicted to fit
+one, at the least peak found, timed against that peer) and at 85%, 70% and 55% of
+per-block checkpointing's. The least peak of any region plan with the whole head and
+with the chunks optremat prices is stated above the table (proven where the exact search
+proved it). Step times as `benchmarks.native` measures them: every configuration in the
+same process over `rounds` rounds after one uncounted warm-up round, in a shuffled order
+each round, each right after an unplanned step; the overhead is the median of the
+per-round ratios, and optremat / peer the median of the per-round ratios of optremat's
+step to the step of the peer whose peak it was given. Predicted overheads come from the
+roofline time model, which prices every pass over the logits at memory bandwidth; on a
+CPU the whole head's passes over the full logits run slower than that and a chunk's, in
+cache, faster, so chunked plans measure below their prediction.
 With `--cost-model profile` (page `chunked_profile.md`) every op of every count's step is
-timed on this machine instead, and the predictions follow.
+timed on this machine instead (best of three, alone, so in cache).
 """
 
 from __future__ import annotations
