@@ -16,7 +16,7 @@ import operator
 import re
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -36,37 +36,12 @@ from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, 
 from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.tracing.lm_loss import standing_in
+from optremat.tracing.repeat import NotAlike, expanded, repeated_blocks, shortened
+from optremat.tracing.traced import Traced
 
 
 class ExtractionError(RuntimeError):
     """The model could not be traced; the message names the op and module and what to try."""
-
-
-@dataclass(frozen=True)
-class Traced:
-    """A traced training step: the fx graph and the Graph built from it.
-
-    `grad_of` gives, per Graph node, the forward node whose autograd node ran it in the backward
-    (-1 for forward nodes and for backward ops autograd runs between nodes, such as the
-    sums of gradients); a saved tensor is saved by that autograd node. `gradients`
-    names the parameters whose gradients the step returns, in order, and `gradient_nodes`
-    the Graph nodes holding them.
-    """
-
-    module: torch.fx.GraphModule
-    graph: Graph
-    grad_of: np.ndarray
-    gradients: tuple[str, ...] = ()
-    calls: tuple[tuple[tuple[str, int], ...], ...] = ()
-    random: tuple[bool, ...] = ()
-    mutated_buffers: tuple[str, ...] = ()
-    gradient_nodes: tuple[int, ...] = ()
-
-    def parameters(self, model: nn.Module) -> list[tuple[int, int]]:
-        """(parameter node, node holding its gradient or -1) for each of `model`'s
-        parameters: the placeholders come first, in `named_parameters` order."""
-        grads = dict(zip(self.gradients, self.gradient_nodes))
-        return [(k, grads.get(name, -1)) for k, name in enumerate(dict(model.named_parameters()))]
 
 
 _MARK = "optremat"
@@ -114,9 +89,24 @@ def trace(
     cost_model: str = "roofline",
     device: str | DeviceProfile = "cpu",
 ) -> Traced:
-    """Like `extract`, also returning the fx graph the Graph was built from."""
+    """Like `extract`, also returning the fx graph traced. With the roofline, a model of
+    many alike blocks is traced through four of them and the rest copied
+    (`tracing.repeat`), where the trace shows they repeat; else, and with timed costs
+    (each op run), the whole step is traced."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {', '.join(map(repr, COST_MODELS))}, not {cost_model!r}")
+    blocks = repeated_blocks(model) if cost_model == "roofline" else None
+    short = None if blocks is None else shortened(model, blocks[0])
+    if short is not None:
+        try:
+            return expanded(_trace(short, example_inputs, loss_fn, cost_model, device), short, model, *blocks)
+        except (ExtractionError, NotAlike):
+            pass
+    return _trace(model, example_inputs, loss_fn, cost_model, device)
+
+
+def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+           cost_model: str, device: str | DeviceProfile) -> Traced:
     try:
         inputs = call_of(example_inputs)
     except TypeError as error:

@@ -1,0 +1,155 @@
+"""A model of many alike blocks traced through four of them: the step it builds is the
+whole trace's, node for node, and blocks that differ are traced whole."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import optremat
+from optremat.models import GPT
+from optremat.tracing import repeat
+from optremat.tracing.causal_lm import running
+from optremat.tracing.extract import DefaultLoss, Traced, trace
+from optremat.tracing.lm_loss import CausalLMLoss
+
+transformers = pytest.importorskip("transformers")
+
+torch.set_num_threads(1)
+
+V, T, B = 96, 16, 2
+LAYERS = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=7, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=T, use_cache=False)
+
+
+def labelled(model: nn.Module) -> tuple[nn.Module, Any, Callable | None]:
+    ids = torch.randint(0, V, (B, T))
+    return model.train(), {"input_ids": ids, "labels": ids}, DefaultLoss()
+
+
+def stack(blocks: int) -> tuple[nn.Module, Any, Callable | None]:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(24, 24), nn.GELU()) for _ in range(blocks)])
+    return model, torch.randn(8, 24), None
+
+
+MODELS = {
+    "llama": lambda: labelled(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LAYERS))),
+    "llama-meta-bf16": lambda: _meta_llama(),
+    "gpt2-dropout": lambda: labelled(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_positions=T, n_embd=32, n_layer=6, n_head=4, use_cache=False))),
+    "mixtral": lambda: labelled(transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **LAYERS, num_local_experts=4, num_experts_per_tok=2))),
+    "gpt-causal-lm-loss": lambda: _gpt_with_loss(),
+    "sequential": lambda: stack(8),
+}
+"""Models of 6 to 8 alike blocks: transformers' own loss from labels (a Llama, on the meta
+device in bfloat16 as real-size models are planned, GPT-2 with dropout and a Mixtral's
+experts), optremat's GPT under a `CausalLMLoss` over its tied head, and a plain
+Sequential whose blocks are the model's only modules."""
+
+
+def _meta_llama() -> tuple[nn.Module, Any, Callable | None]:
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LAYERS)).to(torch.bfloat16)
+    ids = torch.zeros(B, T, dtype=torch.long, device="meta")
+    return model.train(), {"input_ids": ids, "labels": ids}, DefaultLoss()
+
+
+def _gpt_with_loss() -> tuple[nn.Module, Any, Callable | None]:
+    model = GPT(V, T, 32, 6, 4)
+    model.forward = model.hidden_states
+    ids = torch.randint(0, V, (B, T))
+    return model, ids, CausalLMLoss(model.head, ids, chunks=2)
+
+
+def whole(model: nn.Module, inputs: Any, loss_fn: Callable | None, monkeypatch: pytest.MonkeyPatch) -> Traced:
+    with monkeypatch.context() as patch:
+        patch.setattr(repeat, "MIN_BLOCKS", 10 ** 9)
+        return trace(model, inputs, loss_fn)
+
+
+def assert_same_step(copied: Traced, traced: Traced) -> None:
+    """Every column of the two steps' graphs and traces equal, the nodes' names aside."""
+    a, b = copied.graph, traced.graph
+    for column in ("ops", "kind", "module", "tensor"):
+        assert getattr(a, column) == getattr(b, column), column
+    for column in ("cost", "size", "backward", "alias_of", "output", "fusible", "workspace", "lives_to", "edges"):
+        np.testing.assert_array_equal(getattr(a, column), getattr(b, column), err_msg=column)
+    np.testing.assert_array_equal(copied.grad_of, traced.grad_of)
+    for field in ("gradients", "gradient_nodes", "calls", "random", "mutated_buffers"):
+        assert getattr(copied, field) == getattr(traced, field), field
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_model_of_alike_blocks_traced_through_four_is_its_whole_trace(name: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS[name]()
+    assert repeat.repeated_blocks(model) is not None
+    copied = trace(model, inputs, loss_fn)
+    traced_ops = sum(node.op == "call_function" for node in copied.module.graph.nodes)
+    assert traced_ops < int(np.sum(np.array(copied.graph.kind) == "op"))
+    assert_same_step(copied, whole(model, inputs, loss_fn, monkeypatch))
+
+
+def test_a_causal_lm_run_with_its_head_in_chunks_is_copied_with_its_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS["llama"]()
+    with running(model, 4):
+        copied = trace(model, inputs, loss_fn)
+        assert_same_step(copied, whole(model, inputs, loss_fn, monkeypatch))
+    assert "forward" not in model.__dict__
+    assert len(model.model.layers) == LAYERS["num_hidden_layers"]
+
+
+def test_blocks_that_alternate_are_traced_whole() -> None:
+    """Gemma 2's layers alternate sliding-window and global attention (an attribute of
+    each layer), and a stack whose blocks read every block's output repeats no block's
+    reads: both are traced whole."""
+    torch.manual_seed(0)
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**LAYERS, head_dim=8))
+    assert repeat.repeated_blocks(gemma) is None
+
+    class Dense(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(7))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            outputs = [x]
+            for block in self.blocks:
+                outputs.append(torch.tanh(block(sum(outputs))))
+            return outputs[-1]
+
+    model = Dense()
+    assert repeat.repeated_blocks(model) == ("blocks", 7)
+    traced = trace(model, torch.randn(4, 16))
+    assert sum(node.op == "call_function" for node in traced.module.graph.nodes) == \
+        int(np.sum(np.array(traced.graph.kind) == "op"))
+
+
+def test_blocks_differing_in_shape_or_sharing_a_weight_are_not_alike() -> None:
+    widths = nn.ModuleList([nn.Linear(8, 8) for _ in range(6)] + [nn.Linear(8, 4)])
+    shared = nn.Linear(8, 8)
+    assert repeat.repeated_blocks(nn.Sequential(widths)) is None
+    assert not repeat.alike([shared] + [nn.Linear(8, 8) for _ in range(5)] + [shared])
+
+
+def test_a_planned_model_of_copied_blocks_trains_as_unplanned() -> None:
+    torch.manual_seed(0)
+    model, batch, _ = MODELS["llama"]()
+    unplanned = _gradients(model, batch)
+    plan = optremat.plan(model, batch, 0.8, time_limit=2, deterministic=True, head_chunks=None)
+    assert {r.path for r in plan.regions} & {f"model.layers.{i}.mlp" for i in range(2, 6)}  # calls of copied blocks
+    planned = _gradients(optremat.apply(model, plan), batch)
+    for a, b in zip(planned, unplanned):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _gradients(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    loss = model(**batch).loss
+    return [loss.detach(), *torch.autograd.grad(loss, list(model.parameters()))]
