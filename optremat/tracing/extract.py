@@ -153,7 +153,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
     fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
     graph = to_graph(fx_nodes, placeholder_kinds, param_names, costs, results,
-                     lambda node: node.meta.get("custom", {}).get(f"{_MARK}_phase") == "backward")
+                     lambda node: node.meta.get("custom", {}).get(f"{_MARK}_phase") == "backward",
+                     accumulated_in_place(gm))
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes = [by_name[name] for name in graph.names]
     calls = tuple(_call_stack(node) if kind == "op" and not backward else ()
@@ -486,6 +487,37 @@ def _lives_to(gm: torch.fx.GraphModule, graph: Graph, holds: dict[str, str]) -> 
     return np.where(lives_to > np.arange(graph.n), lives_to, -1)
 
 
+def accumulated_in_place(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Per sum of two gradients that autograd's engine makes between its nodes (a tied
+    weight's, a residual stream's), the gradient it adds the other into. Eagerly the engine
+    adds into the first gradient where nothing else holds it (a dense tensor of its own,
+    not a view, which keeps its base, and read by nothing else), else into the second,
+    else makes a new one; a trace on fake tensors, a tensor subclass, always records a new
+    one."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    kept = set(tree_leaves(output.args[0]))
+    found = {}
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom", {})
+        if node.target is not torch.ops.aten.add.Tensor or custom.get(f"{_MARK}_phase") != "backward" \
+                or custom.get(f"{_MARK}_grad_of") is not None:
+            continue
+        into = next((t for t in node.args[:2] if _held_only_by(t, node, kept)), None)
+        if into is not None:
+            found[node] = into
+    return found
+
+
+def _held_only_by(t: Any, node: torch.fx.Node, kept: set) -> bool:
+    if not isinstance(t, torch.fx.Node) or t.op != "call_function" or len(t.users) != 1 or t in kept:
+        return False
+    value, result = t.meta.get("val"), node.meta.get("val")
+    return (isinstance(value, torch.Tensor) and isinstance(result, torch.Tensor) and _viewed(t) is t
+            and value.shape == result.shape and value.dtype == result.dtype
+            and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            and torch._prims_common.is_non_overlapping_and_dense_or_false(value))
+
+
 def _call_stack(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:
     text = node.meta.get("custom", {}).get(f"{_MARK}_calls", "")
     return tuple((path, int(k)) for path, _, k in (item.rpartition("#") for item in text.split("|") if item))
@@ -573,13 +605,16 @@ def tensor_type(value: Any) -> str:
 
 
 def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_names: list[str],
-             costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool]) -> Graph:
+             costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool],
+             written_into: dict[torch.fx.Node, torch.fx.Node] | None = None) -> Graph:
     """The Graph of a traced step's fx nodes, listed in a topological order with the
     placeholders and constants first: `placeholder_kinds` ("param", "input", or "op" for
     a placeholder computed within the step) and `param_names` (for the module a parameter
     belongs to) in placeholder order, each op's cost by node name, the nodes that must
     survive the step (`results`), and which nodes run in the backward. Sizes and aliases
-    come from the fake tensors in `node.meta["val"]`."""
+    come from the fake tensors in `node.meta["val"]`, but for the ops `written_into` maps
+    to the input they run in place over (`accumulated_in_place`)."""
+    written_into = written_into or {}
     index = {n: i for i, n in enumerate(fx_nodes)}
     owner: dict[StorageWeakRef, int] = {}
     parts: dict[StorageWeakRef, int] = {}
@@ -605,9 +640,12 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
         if kind == "op" and storages and not fresh:
             roots = {owner[r] for r in storages}
             alias_of = next((p for p in preds if _root(cols["alias_of"], p) in roots), -1)
+        into = written_into.get(node)
+        if into is not None:
+            alias_of = index[into]
         for r in fresh:
-            owner[r] = i
-        size = sum(fresh.values())
+            owner[r] = i if into is None else _root(cols["alias_of"], alias_of)
+        size = sum(fresh.values()) if into is None else 0
         if node.target is operator.getitem and alias_of >= 0 and cols["alias_of"][alias_of] < 0:
             earlier = next((parts[r] for r in storages if r in parts), -1)
             if earlier >= 0:
@@ -626,7 +664,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
             op_name = str(target).removeprefix("aten.")
         cols["names"].append(node.name)
         cols["ops"].append(op_name)
-        writes = writes_in_place(node)  # shares the storage it writes, but costs what computing it costs
+        writes = writes_in_place(node) or into is not None  # shares the storage it writes, costs what it computes
         cols["cost"].append(0.0 if (alias_of >= 0 and not writes) or kind != "op" or node.target is operator.getitem
                             else costs.get(node.name, 0.0))
         cols["size"].append(int(size))
