@@ -39,7 +39,11 @@ from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 COMPOSED_BLOCKS = 16
 """Blocks from which a composed plan within COMPOSED_GAP of its bound is the plan: the
 search over every region set is left out (it proves nothing in minutes at 32 Llama-7B
-blocks). Shorter chains still feed the composed plan to that search."""
+blocks). Chains of SEEDED_BLOCKS or more but fewer feed the composed plan to that search."""
+SEEDED_BLOCKS = 8
+"""Blocks from which a chain is composed at all: a shorter chain's search over every region
+set proves its plans in seconds by itself, while composing its blocks (hundreds of small
+solves) took 26 of the 69 s a 4-layer Llama's three plans took in the Trainer example."""
 COMPOSED_GAP = 0.01
 """How far above its bound (in the step's cost) a composed plan may be and stand."""
 ROUNDING = 1e-6
@@ -127,11 +131,12 @@ class _Chained(NamedTuple):
 def _composed(chain: Chain | None, budget_bytes: int, time_limit: float, workers: int, seed: int,
               deterministic: bool) -> _Chained | None:
     """The step's chain of identical blocks solved once per block and composed
-    (`solve_chain`), None when the step has no such chain. The plan stands from COMPOSED_BLOCKS blocks,
-    within COMPOSED_GAP of its bound; otherwise it competes in the search over every
-    region set, and when it wins there and that search proves no bound, its own bound
-    (over plans of regions inside the blocks) is the plan's."""
-    if chain is None:
+    (`solve_chain`), None when the step has no such chain of SEEDED_BLOCKS blocks. The
+    plan stands from COMPOSED_BLOCKS blocks, within COMPOSED_GAP of its bound; otherwise
+    it competes in the search over every region set, and when it wins there and that
+    search proves no bound, its own bound (over plans of regions inside the blocks) is
+    the plan's."""
+    if chain is None or len(chain.blocks) < SEEDED_BLOCKS:
         return None
     composed = solve_chain(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic)
     if composed is None:
