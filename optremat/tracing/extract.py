@@ -36,7 +36,7 @@ from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, 
 from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.tracing.lm_loss import standing_in
-from optremat.tracing.repeat import NotAlike, expanded, repeated_blocks, shortened
+from optremat.tracing.repeat import expanded, repeated_blocks, shortened
 from optremat.tracing.traced import Traced
 
 
@@ -95,14 +95,25 @@ def trace(
     (each op run), the whole step is traced."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {', '.join(map(repr, COST_MODELS))}, not {cost_model!r}")
-    blocks = repeated_blocks(model) if cost_model == "roofline" else None
-    short = None if blocks is None else shortened(model, blocks[0])
-    if short is not None:
+    if cost_model == "roofline":
         try:
-            return expanded(_trace(short, example_inputs, loss_fn, cost_model, device), short, model, *blocks)
-        except (ExtractionError, NotAlike):
-            pass
+            copied = _through_four_blocks(model, example_inputs, loss_fn, device)
+        except Exception:  # noqa: BLE001 - NotAlike, or a model that runs only whole: its whole trace decides
+            copied = None
+        if copied is not None:
+            return copied
     return _trace(model, example_inputs, loss_fn, cost_model, device)
+
+
+def _through_four_blocks(model: nn.Module, example_inputs: Sequence[Any] | Any,
+                         loss_fn: Callable[[Any], torch.Tensor] | None, device: str | DeviceProfile) -> Traced | None:
+    """The step of a model of many alike blocks traced through four of them (`tracing.repeat`),
+    or None for a model without them."""
+    blocks = repeated_blocks(model)
+    short = None if blocks is None else shortened(model, blocks[0])
+    if short is None:
+        return None
+    return expanded(_trace(short, example_inputs, loss_fn, "roofline", device), short, model, *blocks)
 
 
 def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor] | None,
