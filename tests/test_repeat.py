@@ -3,6 +3,7 @@ whole trace's, node for node, and blocks that differ are traced whole."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import numpy as np
@@ -39,17 +40,16 @@ def stack(blocks: int) -> tuple[nn.Module, Any, Callable | None]:
 MODELS = {
     "llama": lambda: labelled(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LAYERS))),
     "llama-meta-bf16": lambda: _meta_llama(),
-    "gpt2-dropout": lambda: labelled(transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=V, n_positions=T, n_embd=32, n_layer=6, n_head=4, use_cache=False))),
+    "gpt-dropout": lambda: (GPT(V, T, 32, 6, 4, dropout=0.1), torch.randint(0, V, (B, T)), None),
     "mixtral": lambda: labelled(transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **LAYERS, num_local_experts=4, num_experts_per_tok=2))),
     "gpt-causal-lm-loss": lambda: _gpt_with_loss(),
     "sequential": lambda: stack(8),
 }
 """Models of 6 to 8 alike blocks: transformers' own loss from labels (a Llama, on the meta
-device in bfloat16 as real-size models are planned, GPT-2 with dropout and a Mixtral's
-experts), optremat's GPT under a `CausalLMLoss` over its tied head, and a plain
-Sequential whose blocks are the model's only modules."""
+device in bfloat16 as real-size models are planned, and a Mixtral's experts), optremat's
+GPT with dropout and under a `CausalLMLoss` over its tied head, and a plain Sequential
+whose blocks are the model's only modules."""
 
 
 def _meta_llama() -> tuple[nn.Module, Any, Callable | None]:
@@ -106,30 +106,72 @@ def test_a_causal_lm_run_with_its_head_in_chunks_is_copied_with_its_forward(monk
     assert len(model.model.layers) == LAYERS["num_hidden_layers"]
 
 
-def test_blocks_that_alternate_are_traced_whole() -> None:
-    """Gemma 2's layers alternate sliding-window and global attention (an attribute of
-    each layer), and a stack whose blocks read every block's output repeats no block's
-    reads: both are traced whole."""
+class Dense(nn.Module):
+    """Each block reads the sum of every earlier block's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = [x]
+        for block in self.blocks:
+            outputs.append(torch.tanh(block(sum(outputs))))
+        return outputs[-1]
+
+
+class EarlyExit(Dense):
+    """Runs the first five blocks only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks[:5]:
+            x = torch.tanh(block(x))
+        return x
+
+
+def traced_whole(traced: Traced) -> bool:
+    return sum(node.op == "call_function" for node in traced.module.graph.nodes) == \
+        int(np.sum(np.array(traced.graph.kind) == "op"))
+
+
+def test_blocks_run_by_loops_not_read_or_alternating_are_traced_whole() -> None:
+    """A loop not read to run every block once alike (an early exit, a transformers stack
+    told to run fewer layers than it holds or to output hidden states), and Gemma 2's
+    layers, which alternate sliding-window and global attention: traced whole."""
     torch.manual_seed(0)
+    assert repeat.repeated_blocks(EarlyExit()) is None
     gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**LAYERS, head_dim=8))
     assert repeat.repeated_blocks(gemma) is None
+    fewer = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LAYERS))
+    fewer.config.num_hidden_layers -= 2
+    assert repeat.repeated_blocks(fewer) is None
+    model, batch, loss_fn = MODELS["llama"]()
+    assert traced_whole(trace(model, {**batch, "output_hidden_states": True}, loss_fn))
 
-    class Dense(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(7))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            outputs = [x]
-            for block in self.blocks:
-                outputs.append(torch.tanh(block(sum(outputs))))
-            return outputs[-1]
-
+def test_blocks_whose_trace_does_not_repeat_are_traced_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were a loop that feeds each block every earlier output read as plain, the trace
+    would show the second and third blocks reading unlike inputs: traced whole."""
+    monkeypatch.setattr(repeat, "LOOPS", repeat.LOOPS | {f"{Dense.__module__}.{Dense.__qualname__}"})
     model = Dense()
     assert repeat.repeated_blocks(model) == ("blocks", 7)
-    traced = trace(model, torch.randn(4, 16))
-    assert sum(node.op == "call_function" for node in traced.module.graph.nodes) == \
-        int(np.sum(np.array(traced.graph.kind) == "op"))
+    assert traced_whole(trace(model, torch.randn(4, 16)))
+
+
+def test_tracing_leaves_the_model_as_it_was() -> None:
+    """transformers installs its output-capturing hooks on the modules of the first model
+    object it runs (a Mixtral collecting its router logits for its auxiliary loss); a
+    trace through a copy of the model leaves none behind, so the model's own first run
+    installs them once and its loss is the loss of a model never traced."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = labelled(transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **LAYERS, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)))
+    untraced = copy.deepcopy(model)
+    trace(model, batch, loss_fn)
+    assert "forward" not in model.__dict__ and len(model.model.layers) == LAYERS["num_hidden_layers"]
+    got, want = model(**batch), untraced(**batch)
+    assert len(got.router_logits) == len(want.router_logits) == LAYERS["num_hidden_layers"]
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
 
 
 def test_blocks_differing_in_shape_or_sharing_a_weight_are_not_alike() -> None:

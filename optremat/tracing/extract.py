@@ -36,7 +36,7 @@ from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, 
 from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.tracing.lm_loss import standing_in
-from optremat.tracing.repeat import expanded, repeated_blocks, shortened
+from optremat.tracing.repeat import expanded, hooks_kept, repeated_blocks, shortened
 from optremat.tracing.traced import Traced
 
 
@@ -111,9 +111,12 @@ def _through_four_blocks(model: nn.Module, example_inputs: Sequence[Any] | Any,
     or None for a model without them."""
     blocks = repeated_blocks(model)
     short = None if blocks is None else shortened(model, blocks[0])
-    if short is None:
+    kwargs = call_of(example_inputs)[1]
+    if short is None or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
         return None
-    return expanded(_trace(short, example_inputs, loss_fn, "roofline", device), short, model, *blocks)
+    with hooks_kept(model):
+        traced = _trace(short, example_inputs, loss_fn, "roofline", device)
+    return expanded(traced, short, model, *blocks)
 
 
 def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor] | None,

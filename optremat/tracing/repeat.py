@@ -2,30 +2,34 @@
 
 Tracing on fake tensors costs about a millisecond per op, so an 80-layer Llama's step
 takes 20 s to trace, while its decoder layers are one computation 80 times. Where a
-`nn.ModuleList` (or a plain `nn.Sequential`) holds at least `MIN_BLOCKS` blocks alike
-(`alike`: one class, the same parameters and buffers by name, shape and dtype, the same
-plain attributes but for their own index), the step is traced on a copy of the model
-that keeps the first three blocks and the last (`shortened`), and the third block's
-forward and backward ops, with its parameters, are copied for each block left out
-(`expanded`): a copy reads the copy before it (and its gradient the copy after it) as
-the third block read the second (and the last block's gradient).
+plain `nn.Sequential`, or a `nn.ModuleList` run by a loop read to run each block once
+alike (`LOOPS`), holds at least `MIN_BLOCKS` blocks alike (`alike`: one class, the same
+parameters and buffers by name, shape and dtype, the same plain attributes but for their
+own index), the step is traced on a copy of the model that keeps the first three blocks
+and the last (`shortened`), and the third block's forward and backward ops, with its
+parameters, are copied for each block left out (`expanded`): a copy reads the copy
+before it (and its gradient the copy after it) as the third block read the second (and
+the last block's gradient).
 
 The copies are made only where the trace shows the second and third blocks alike: the
 same ops on the same shapes and costs, reading their neighbours at the same offsets,
 their own parameters in the same order and the same tensors from outside the blocks
 (the rotary tables, the attention mask). A block read by anything but its neighbours
-(a loss over every block's output, a weight shared between blocks) leaves the step to
-be traced whole. The expanded step is the one the whole model's trace records, node for
-node but for the names (tests/test_repeat.py compares them).
+(a loss over every block's router logits, a weight shared between blocks) leaves the
+step to be traced whole. The expanded step is the one the whole model's trace records,
+node for node but for the names (tests/test_repeat.py compares them). Hooks a library
+installs while the copy runs are taken off the model's modules again (`hooks_kept`).
 """
+
 
 from __future__ import annotations
 
 import copy
 import functools
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +45,26 @@ KEPT = 4
 """Blocks the shortened model keeps: the first three and the last."""
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+LOOPS = frozenset({
+    "transformers.models.llama.modeling_llama.LlamaModel",
+    "transformers.models.mistral.modeling_mistral.MistralModel",
+    "transformers.models.mixtral.modeling_mixtral.MixtralModel",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2Model",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3Model",
+    "transformers.models.gemma.modeling_gemma.GemmaModel",
+    "optremat.models.GPT",
+    "optremat.models.HiddenGPT",
+})
+"""Classes whose forward (and every method of theirs it may be replaced by on a model)
+calls each block of their ModuleList once, in order, with nothing between the calls that
+depends on a block's index or the list's length: read in their source. transformers'
+decoder stacks run `self.layers[: config.num_hidden_layers]`, picking Qwen's masks by
+`config.layer_types[i]`, so they qualify while those are the list's length and one type,
+and no hidden states or attentions are collected. A plain Sequential runs its children
+so too. Other models' loops (an early exit, an op after layer k, a tensor sized by the
+list's length) are not read, and their steps are traced whole."""
 
 
 class NotAlike(Exception):
@@ -49,13 +73,55 @@ class NotAlike(Exception):
 
 def repeated_blocks(model: nn.Module) -> tuple[str, int] | None:
     """The path and length of `model`'s longest ModuleList or plain Sequential of at least
-    `MIN_BLOCKS` blocks alike, or None."""
+    `MIN_BLOCKS` blocks alike, run by a loop read to run each once alike (`LOOPS`), or None."""
+    owners = {id(child): module for module in model.modules() for child in module.children()}
     found = None
     for path, module in model.named_modules():
-        if type(module) in (nn.ModuleList, nn.Sequential) and len(module) >= MIN_BLOCKS and alike(list(module)) \
-                and (found is None or len(module) > found[1]):
+        if type(module) in (nn.ModuleList, nn.Sequential) and len(module) >= MIN_BLOCKS \
+                and (found is None or len(module) > found[1]) and _looped(module, owners.get(id(module))) \
+                and alike(list(module)):
             found = (path, len(module))
     return found
+
+
+def _looped(blocks: nn.Module, owner: nn.Module | None) -> bool:
+    """Whether `blocks` are run by a loop read to run each once alike (`LOOPS`)."""
+    if type(blocks) is nn.Sequential:
+        return "forward" not in blocks.__dict__
+    if owner is None:
+        return False
+    defining = next(c for c in type(owner).__mro__ if "forward" in vars(c))
+    if f"{defining.__module__}.{defining.__qualname__}" not in LOOPS:
+        return False
+    forward = owner.__dict__.get("forward")
+    if forward is not None and not (isinstance(forward, types.MethodType) and forward.__self__ is owner
+                                    and forward.__func__ in vars(defining).values()):
+        return False
+    config = getattr(owner, "config", None)
+    if config is None:
+        return True
+    return (getattr(config, "num_hidden_layers", len(blocks)) == len(blocks)
+            and not getattr(config, "output_hidden_states", False) and not getattr(config, "output_attentions", False)
+            and len(set(getattr(config, "layer_types", None) or [None])) == 1)
+
+
+@contextmanager
+def hooks_kept(model: nn.Module) -> Iterator[None]:
+    """While it lasts, hooks that something installs on `model`'s modules are removed when
+    it ends: transformers installs its output-capturing hooks on the modules of the first
+    model object it runs and marks that object, so a trace of a copy would leave the
+    model itself to install them a second time."""
+    before = {id(m): {h: set(getattr(m, h, {})) for h in _HOOKS} for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            for h in _HOOKS:
+                hooks = getattr(m, h, {})
+                for key in set(hooks) - before.get(id(m), {}).get(h, set()):
+                    del hooks[key]
+                    for flags in _HOOK_FLAGS:
+                        getattr(m, flags, {}).pop(key, None)
 
 
 def alike(blocks: list[nn.Module]) -> bool:
