@@ -110,10 +110,10 @@ def _through_four_blocks(model: nn.Module, example_inputs: Sequence[Any] | Any,
     """The step of a model of many alike blocks traced through four of them (`tracing.repeat`),
     or None for a model without them."""
     blocks = repeated_blocks(model)
-    short = None if blocks is None else shortened(model, blocks[0])
     kwargs = call_of(example_inputs)[1]
-    if short is None or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+    if blocks is None or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
         return None
+    short = shortened(model, blocks[0])
     with hooks_kept(model):
         traced = _trace(short, example_inputs, loss_fn, "roofline", device)
     return expanded(traced, short, model, *blocks)

@@ -161,10 +161,10 @@ def _hashable(value: Any) -> Any:
     return tuple(map(_hashable, value)) if isinstance(value, (tuple, list)) else value
 
 
-def shortened(model: nn.Module, path: str) -> nn.Module | None:
+def shortened(model: nn.Module, path: str) -> nn.Module:
     """A copy of `model` sharing its modules and tensors whose blocks at `path` are the
-    first three and the last; `model` is not changed. None where a module on the way to
-    the blocks has a forward set on it that the copy cannot run on itself."""
+    first three and the last; `model` is not changed. Raises NotAlike where a module on
+    the way to the blocks has a forward set on it that the copy cannot run on itself."""
     parts = path.split(".") if path else []
 
     def copied(module: nn.Module, depth: int) -> nn.Module:
@@ -179,10 +179,7 @@ def shortened(model: nn.Module, path: str) -> nn.Module | None:
             clone._modules[parts[depth]] = copied(module._modules[parts[depth]], depth + 1)
         return clone
 
-    try:
-        return copied(model, 0)
-    except NotAlike:
-        return None
+    return copied(model, 0)
 
 
 def _rebound(forward: Any, module: nn.Module, clone: nn.Module) -> Any:
@@ -413,9 +410,9 @@ class _Positions(dict):
 def _runs(places: tuple[int, ...]) -> dict[int, list[int]]:
     """The consecutive runs of `places`, by their first node."""
     runs: dict[int, list[int]] = {}
+    run: list[int] = []
     for v in places:
-        if runs and v == runs[list(runs)[-1]][-1] + 1:
-            runs[list(runs)[-1]].append(v)
-        else:
-            runs[v] = [v]
+        if not run or v != run[-1] + 1:
+            run = runs[v] = []
+        run.append(v)
     return runs
