@@ -68,6 +68,19 @@ class Tied(nn.Module):
         return nn.functional.linear(torch.tanh(self.lin(x)), self.lin.weight.t())
 
 
+class Gated(nn.Module):
+    """A gated MLP: the product's autograd node saves the gate's SiLU output, which nothing
+    else keeps, and holds it until its formula has made both gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(WIDTH, 16 * WIDTH), nn.Linear(WIDTH, 16 * WIDTH)
+        self.down = nn.Linear(16 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
 def framed(*blocks: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, WIDTH), *blocks, nn.Linear(WIDTH, 4)).double()
@@ -86,6 +99,9 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
     "a block's output held through its second call": (
         lambda: framed(Twice(nn.Sequential(nn.Linear(WIDTH, WIDTH), Unpacking(), nn.BatchNorm1d(WIDTH)))), ()),
     "a weight read twice, its gradients summed through views": (lambda: framed(Tied()), ()),
+    "a product's inputs held until its backward formula returns": (lambda: framed(Gated()), ()),
+    "a product's recomputed inputs held until its backward formula returns": (
+        lambda: framed(Gated()), (Region("1", 0),)),
     "a tuple's halves held while the caller runs, in its rerun too": (
         lambda: framed(nn.Sequential(Unpacking(), nn.Tanh())), (Region("1", 0),)),
 }

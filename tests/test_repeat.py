@@ -185,8 +185,8 @@ def test_a_planned_model_of_copied_blocks_trains_as_unplanned() -> None:
     torch.manual_seed(0)
     model, batch, _ = MODELS["llama"]()
     unplanned = _gradients(model, batch)
-    plan = optremat.plan(model, batch, 0.8, time_limit=2, deterministic=True, head_chunks=None)
-    assert {r.path for r in plan.regions} & {f"model.layers.{i}.mlp" for i in range(2, 6)}  # calls of copied blocks
+    plan = optremat.plan(model, batch, 0.76, time_limit=2, deterministic=True, head_chunks=None)
+    assert any(r.path.startswith(("model.layers.3", "model.layers.4")) for r in plan.regions)  # copied blocks
     planned = _gradients(optremat.apply(model, plan), batch)
     for a, b in zip(planned, unplanned):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -179,7 +179,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     grad_of = _grad_of(gm, graph)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)),
-                    lives_to=_lives_to(gm, graph, holds))
+                    lives_to=_lives_to(gm, graph, holds), edges=_formula_reads(gm, graph))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes)
 
@@ -491,14 +491,34 @@ def _lives_to(gm: torch.fx.GraphModule, graph: Graph, holds: dict[str, str]) -> 
     for name, last in holds.items():
         if name in index and last in index:
             lives_to[index[name]] = index[last]
+    for ops in _formulas(gm, graph):
+        lives_to[ops] = np.maximum(lives_to[ops], max(ops))
+    return np.where(lives_to > np.arange(graph.n), lives_to, -1)
+
+
+def _formulas(gm: torch.fx.GraphModule, graph: Graph) -> list[list[int]]:
+    """The Graph nodes of each autograd node's backward formula, in order."""
+    index = {name: i for i, name in enumerate(graph.names)}
     formulas: dict[int, list[int]] = {}
     for node in gm.graph.nodes:
         seq_nr = node.meta.get("custom", {}).get(f"{_MARK}_grad_of")
         if seq_nr is not None and node.name in index:
             formulas.setdefault(seq_nr, []).append(index[node.name])
-    for ops in formulas.values():
-        lives_to[ops] = np.maximum(lives_to[ops], max(ops))
-    return np.where(lives_to > np.arange(graph.n), lives_to, -1)
+    return list(formulas.values())
+
+
+def _formula_reads(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
+    """`graph`'s edges, and one from each input of a backward formula to the formula's last
+    op: the engine holds what an autograd node saved, and the gradient it was passed,
+    until the node's whole formula has returned, whichever computation of a tensor it read
+    (the forward's, or a checkpoint's recomputation)."""
+    edges = set(map(tuple, graph.edges.tolist()))
+    for ops in _formulas(gm, graph):
+        inside, last = set(ops), max(ops)
+        edges |= {(p, last) for v in ops for p in graph.preds[v].tolist() if p not in inside}
+    array = np.array(sorted(edges), dtype=np.int64).reshape(-1, 2)
+    array.setflags(write=False)
+    return array
 
 
 def accumulated_in_place(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
