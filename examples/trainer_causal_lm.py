@@ -170,7 +170,7 @@ def run(steps: int, smoke: bool, time_limit: float) -> Report:
     plans in the solver's deterministic time, so its plans do not depend on machine load."""
     torch.set_num_threads(1)
     tokenizer = word_tokenizer()
-    shortest, longest = (40, 100) if smoke else (40, 256)
+    shortest, longest = (30, 80) if smoke else (40, 256)
     data = texts(tokenizer, steps * BATCH * ACCUMULATE, shortest, longest)
     callback = PlanCallback(BUDGET, time_limit=time_limit, deterministic=smoke)
     with tempfile.TemporaryDirectory() as out:

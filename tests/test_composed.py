@@ -54,7 +54,7 @@ def test_the_decoder_layers_are_the_chain(four_blocks) -> None:
     assert chain.moved(((optremat.Region("model.layers.2.mlp", 0)),), 2, 0) == (optremat.Region("model.layers.0.mlp", 0),)
 
 
-@pytest.mark.parametrize("fraction", [0.85, 0.75])
+@pytest.mark.parametrize("fraction", [0.85, pytest.param(0.75, marks=pytest.mark.slow)])
 def test_composition_meets_the_search_over_every_plan_inside_the_blocks(four_blocks, fraction: float) -> None:
     rmap, chain = four_blocks
     budget = int(fraction * simulate(rmap.graph, keep_all(rmap.graph)).peak_bytes)

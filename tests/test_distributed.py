@@ -43,6 +43,7 @@ def check(steps: list[RankStep]) -> None:
         np.testing.assert_allclose(gradients[name], grad, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_fsdp2_step_under_a_per_rank_plan() -> None:
     check(run(MODEL, BATCH, 0.75, FSDP(units=("blocks.*",)), WORLD, time_limit=1.0))
 
@@ -130,7 +131,8 @@ def hf_llama_rank(parallel: FSDP | DDP) -> tuple[int, int, int, str, dict | None
     return made.budget_bytes, made.predicted_peak_bytes, peak, decisions, gradients if rank == 0 else None
 
 
-@pytest.mark.parametrize("parallel", [FSDP(units=("model.layers.*",)), pytest.param(DDP(), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("parallel", [pytest.param(FSDP(units=("model.layers.*",)), marks=pytest.mark.slow),
+                                      pytest.param(DDP(), marks=pytest.mark.slow)])
 def test_a_transformers_llama_under_a_per_rank_plan(parallel: FSDP | DDP) -> None:
     pytest.importorskip("transformers")
     ranks = run_local(hf_llama_rank, WORLD, parallel)

@@ -133,7 +133,7 @@ def test_dp_plans_a_residual_network_block_by_block():
     # the second.
     assert blocks.cut == (-1, 2, 6, 10)
     peak = simulate(g, keep_all(g)).peak_bytes
-    for budget in range(peak - 2, 31, -4):
+    for budget in range(peak - 2, 31, -8):
         result = simulate(g, chain_dp(g, budget))
         assert result.peak_bytes <= budget
         assert exact_cost(g, budget) <= result.cost <= exact_cost(g, budget) * 1.11

@@ -50,12 +50,12 @@ def train(tmp_path, callbacks: list, checkpointing: bool = False) -> list[float]
 
 def test_the_trainer_callback_plans_on_the_first_batch_and_trains_the_same(tmp_path) -> None:
     want = train(tmp_path / "plain", [])
-    callback = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=5)
+    callback = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=1, deterministic=True)
     got = train(tmp_path / "planned", [callback])
     assert callback.plan is not None and (callback.plan.regions or callback.plan.chunking.chunks)
     assert "the model's own" in callback.plan.summary()
     assert got == pytest.approx(want, rel=1e-5)  # a head run in chunks sums the loss in another order
-    again = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=5)
+    again = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=1, deterministic=True)
     train(tmp_path / "again", [again])
     assert again.plan.cached
 
@@ -118,7 +118,7 @@ def fsdp2_rank(budget: float) -> dict:
         if name == "plain":
             model, optimizer = accelerator.prepare(model, optimizer)
         else:
-            prepare = Prepare(budget, time_limit=5, deterministic=True)
+            prepare = Prepare(budget, time_limit=1, deterministic=True)
             loader = torch.utils.data.DataLoader(Tokens(8, 128), batch_size=2)
             model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
 

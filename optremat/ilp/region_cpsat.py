@@ -53,11 +53,12 @@ def solve_regions(rmap: RegionMap, candidates: Sequence[Call], budget: int, time
     the plan checkpointing `hint` when that plan fits (`workers` 0: `PORTFOLIO`). The LP
     relaxation of the rows' clauses is what proves bounds here: on one depth of the
     Llama's module tree at 80%, linearization level 2 proved the plan in 0.7 s, the
-    default level not in 20 s."""
+    default level not in 20 s. Building the model counts against `time_limit`."""
+    started = time.perf_counter()
     model = RegionModel(rmap, candidates)
     cp = _Cp(model, budget)
     status, solver, priced = _solve_lazily(cp, _fitting(model, hint, budget), time_limit, workers, seed,
-                                           deterministic)
+                                           deterministic, started)
     if status == cp_model.INFEASIBLE:
         return RegionSolution(None, math.inf, False)
     if priced is None:
@@ -82,21 +83,23 @@ def least_peak(rmap: RegionMap, candidates: Sequence[Call], time_limit: float, *
                seed: int = 0, deterministic: bool = False) -> tuple[Priced, bool]:
     """The plan over `candidates` with the least simulated peak found in `time_limit`,
     and whether it is proven the least."""
+    started = time.perf_counter()
     model = RegionModel(rmap, candidates)
     cp = _Cp(model, None)
-    status, solver, priced = _solve_lazily(cp, model.values([], []), time_limit, workers, seed, deterministic)
+    status, solver, priced = _solve_lazily(cp, model.values([], []), time_limit, workers, seed, deterministic,
+                                           started)
     if priced is None:
         return price(rmap, (), model.kept(model.values([], [])), "cpsat-regions"), False
     return priced, status == cp_model.OPTIMAL and priced.result.peak_bytes <= solver.value(cp.peak)
 
 
 def _solve_lazily(cp: "_Cp", values: dict[Atom, bool] | None, time_limit: float, workers: int, seed: int,
-                  deterministic: bool) -> tuple[int, cp_model.CpSolver | None, Priced | None]:
+                  deterministic: bool, started: float) -> tuple[int, cp_model.CpSolver | None, Priced | None]:
     """Solve from the plan `values` describes, price the plan, add the rows of the events
     over the model's limit, and solve again from that plan, until a plan has no such event
     or the time runs out: the last status, its solver, and its plan (None if the solver
-    returned none). With `values` None no round takes a hint (see `_fitting`)."""
-    started = time.perf_counter()
+    returned none). With `values` None no round takes a hint (see `_fitting`); the time
+    counts from `started`."""
     model, rmap = cp.regions, cp.regions.rmap
     hinted = values is not None
     while True:

@@ -37,13 +37,16 @@ from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
 COMPOSED_BLOCKS = 16
-"""Blocks from which a composed plan within COMPOSED_GAP of its bound is the plan: the
-search over every region set is left out (it proves nothing in minutes at 32 Llama-7B
-blocks). Chains of SEEDED_BLOCKS or more but fewer feed the composed plan to that search."""
+"""Blocks from which a budget that neither the composed plan nor any seed fits is refused
+without the search over every region set (it proves nothing in minutes at 32 Llama-7B
+blocks)."""
 SEEDED_BLOCKS = 8
 """Blocks from which a chain is composed at all: a shorter chain's search over every region
 set proves its plans in seconds by itself, while composing its blocks (hundreds of small
-solves) took 26 of the 69 s a 4-layer Llama's three plans took in the Trainer example."""
+solves) took 26 of the 69 s a 4-layer Llama's three plans took in the Trainer example. A
+composed plan within COMPOSED_GAP of its bound is the plan; otherwise it seeds that search
+(on the 8-layer Llama-7B shape, in 10 s, the search's own bounds were 7 to 13 points under
+the composition's)."""
 COMPOSED_GAP = 0.01
 """How far above its bound (in the step's cost) a composed plan may be and stand."""
 ROUNDING = 1e-6
@@ -61,11 +64,12 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     bound is the least cost that search proves; where the time runs out first, the
     memory bound of the step's own graph stands in. OPTIMAL when the plan meets it. A
     chain of identical blocks is first solved once per block and composed (`_composed`):
-    from COMPOSED_BLOCKS blocks that plan, within COMPOSED_GAP of its bound, is the plan;
-    otherwise it is one more seed. A budget under the step's `peak_floor` is refused
-    without searching for a plan that fits, naming the least peak found in the time; so
-    is one that neither the composition of a chain of COMPOSED_BLOCKS blocks nor any seed
-    fits (at that size the search over every region set finds nothing in minutes)."""
+    that plan, within COMPOSED_GAP of its bound, is the plan; otherwise it is one more seed,
+    and when it wins, the better of its bound and the search's is the plan's. A budget
+    under the step's `peak_floor` is refused without searching for a plan that fits,
+    naming the least peak found in the time; so is one that neither the composition of a
+    chain of COMPOSED_BLOCKS blocks nor any seed fits (at that size the search over every
+    region set finds nothing in minutes)."""
     graph = rmap.graph
     total = graph.total_cost
     composing = time.perf_counter()
@@ -80,8 +84,8 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         if progress is not None:
             progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
         return _plan_of(rmap, composed.result.priced, budget_bytes, composed.name, composed.result.bound, started)
-    searching = _left(time_limit, composing, deterministic)
-    kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, searching, workers, seed, deterministic)
+    kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, _left(time_limit, composing, deterministic),
+                                         workers, seed, deterministic)
     candidates = search(rmap, budget_bytes, kept)
     if composed is not None and composed.result.priced is not None:
         candidates.append(composed.result.priced)
@@ -91,6 +95,7 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
         progress(time.perf_counter() - started, min(c.cost for c in fitting), total)
+    searching = _left(time_limit, composing, deterministic)
     exact = solve_regions(rmap, rmap.candidates(), budget_bytes, searching, workers=workers, seed=seed,
                           deterministic=deterministic, hint=hint)
     candidates += [exact.priced] if exact.priced is not None else []
@@ -101,8 +106,9 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     bound = exact.bound if exact.bound is not None else total + solver_floor(graph, budget_bytes, searching,
                                                                             share=False)
     best: Priced = min(fitting, key=lambda c: c.cost)
-    scoped = (composed is not None and best is composed.result.priced and exact.bound is None
-              and math.isfinite(composed.result.bound))
+    scoped = (composed is not None and best is composed.result.priced and not exact.optimal
+              and math.isfinite(composed.result.bound)
+              and (exact.bound is None or composed.result.bound > exact.bound))
     if scoped:
         bound = composed.result.bound
     if progress is not None:
@@ -132,10 +138,9 @@ def _composed(chain: Chain | None, budget_bytes: int, time_limit: float, workers
               deterministic: bool) -> _Chained | None:
     """The step's chain of identical blocks solved once per block and composed
     (`solve_chain`), None when the step has no such chain of SEEDED_BLOCKS blocks. The
-    plan stands from COMPOSED_BLOCKS blocks, within COMPOSED_GAP of its bound; otherwise
-    it competes in the search over every region set, and when it wins there and that
-    search proves no bound, its own bound (over plans of regions inside the blocks) is
-    the plan's."""
+    plan stands within COMPOSED_GAP of its bound; otherwise it competes in the search over
+    every region set, and when it wins there and that search proves a weaker bound, its own
+    bound (over plans of regions inside the blocks) is the plan's."""
     if chain is None or len(chain.blocks) < SEEDED_BLOCKS:
         return None
     composed = solve_chain(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic)
@@ -143,8 +148,7 @@ def _composed(chain: Chain | None, budget_bytes: int, time_limit: float, workers
         return None
     name = (f"composed ({len(chain.blocks)} blocks like {chain.blocks[0][0]!r}; bound over plans of regions "
             "inside them)")
-    stands = (len(chain.blocks) >= COMPOSED_BLOCKS and composed.priced is not None
-              and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP))
+    stands = composed.priced is not None and composed.priced.cost <= composed.bound * (1 + COMPOSED_GAP)
     return _Chained(composed, stands, name)
 
 
