@@ -46,7 +46,7 @@ from benchmarks.report import keep_compiled, table, write_rows
 from optremat.bench import torch_budget_backend
 from optremat.core.graph import format_bytes
 from optremat.plots import plot_lines
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_peak, step_resident
 from optremat.tracing.costs import COST_MODELS
 
 HEADER = ["model", "inner", "method", "budget", "predicted peak", "measured peak", "measured / budget",
@@ -60,7 +60,7 @@ def rows(name: str, inner: str, rounds: int, limit: float, cost_model: str) -> l
     case = case_of(name, "cpu")
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
-    resident = [params, list(model.buffers()), inputs]
+    resident = step_resident(model, inputs, loss_fn)
     eager_loss = loss_fn(model(*inputs))
     eager = [eager_loss.detach()] + [g.detach() for g in torch.autograd.grad(eager_loss, params)]
 

@@ -53,7 +53,7 @@ from benchmarks.report import keep_compiled, write_rows
 from optremat.bench import checkpointed_blocks, hf_checkpointing, repeated_blocks, torch_budget_backend, under
 from optremat.core.graph import format_bytes
 from optremat.models import build
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_peak, step_resident
 from optremat.tracing.costs import COST_MODELS
 
 HEADER = ["model", "method", "budget", "predicted peak", "measured peak", "measured / predicted",
@@ -161,7 +161,7 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
     case = case_of(name, device)
     model, inputs, loss_fn = case.model, case.inputs, case.loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
-    resident = [params, list(model.buffers()), inputs]
+    resident = step_resident(model, inputs, loss_fn)
 
     def step_of(module: torch.nn.Module) -> Callable[[], tuple]:
         def step() -> tuple:

@@ -26,7 +26,7 @@ import optremat
 from optremat.bench import under
 from optremat.core.graph import format_bytes
 from optremat.models import build
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_peak, step_resident
 
 OUT = Path(__file__).with_name("runtime.md")
 DEFAULT_MODELS = "gpt-tiny,resnet-tiny,unet-tiny,vgg-tiny,mlp-tiny,rnn-tiny"
@@ -79,7 +79,7 @@ def rows(name: str, budgets: list[float], limit: float, runs: int, cost_model: s
         seconds = time.perf_counter() - started
         trained = optremat.apply(model, plan)
         step(trained)
-        measured = measure_peak(lambda: step(trained), resident=[params, list(model.buffers()), inputs]).peak_bytes
+        measured = measure_peak(lambda: step(trained), resident=step_resident(model, inputs, loss_fn)).peak_bytes
         optremat.remove(model)
         planned = under(model, plan, lambda: step(trained))
         ratios = []

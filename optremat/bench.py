@@ -31,7 +31,7 @@ from optremat.planners.solve import SOLVERS, solve
 from optremat.planning.model import plan
 from optremat.planning.result import Plan
 from optremat.runtime.apply import apply, remove
-from optremat.runtime.measure import measure_peak
+from optremat.runtime.measure import measure_peak, step_resident
 
 Step = Callable[[], Any]
 Report = Callable[["Measured"], None]
@@ -162,7 +162,7 @@ class _Session:
                  report: Report | None) -> None:
         self.model, self.inputs, self.loss_fn, self.runs, self.report = model, inputs, loss_fn, runs, report
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.resident = [self.params, list(model.buffers()), inputs]
+        self.resident = step_resident(model, inputs, loss_fn)
         self.results: list[Measured] = []
 
     def step_of(self, module: Callable) -> Step:

@@ -201,10 +201,11 @@ def test_chunks_use_less_memory(options: dict, kernel: str) -> None:
                          ids=["whole", "plain-4", "plain-16", "softcap-smoothing-4"])
 def test_the_unplanned_step_is_priced_as_measured(chunks: int | None, options: dict, kernel: str) -> None:
     """Traced on fake tensors, PyTorch's chunked op recorded op by op and ours as it runs:
-    the simulated peak of the unplanned step is the measured one within 0.1% (whole or
-    ours) or 5% (PyTorch's op: it holds one more hidden-states-sized buffer
-    in eager than its traced implementation shows, 3.6% of this small step, 1% of
-    gpt-mini's)."""
+    the simulated peak of the unplanned step is the measured one within 0.2% (whole or
+    ours: the labels the loss holds count in both; Python holds the shifted labels and
+    their mask through our chunk loop, about 5 KiB the trace frees after their last read)
+    or 5% (PyTorch's op: it holds one more hidden-states-sized buffer in eager than its
+    traced implementation shows, 3.6% of this small step, 1% of gpt-mini's)."""
     torch.manual_seed(0)
     model, vocab = Body(64), 4096
     model.head = nn.Linear(64, vocab, bias=False)
@@ -214,7 +215,7 @@ def test_the_unplanned_step_is_priced_as_measured(chunks: int | None, options: d
     predicted = simulate(graph, keep_all(graph)).peak_bytes
     measured = measure_step(model, (x,), loss).peak_bytes
     torch_op = kernel == "torch" and chunks is not None and not options
-    assert abs(measured / predicted - 1) < (0.05 if torch_op else 0.001)
+    assert abs(measured / predicted - 1) < (0.05 if torch_op else 0.002)
 
 
 @pytest.fixture(scope="module")

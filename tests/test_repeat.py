@@ -44,10 +44,13 @@ MODELS = {
     "mixtral": lambda: labelled(transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **LAYERS, num_local_experts=4, num_experts_per_tok=2))),
     "gpt-causal-lm-loss": lambda: _gpt_with_loss(),
+    "gpt2": lambda: labelled(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_embd=32, n_layer=7, n_head=4, n_positions=T, use_cache=False))),
     "sequential": lambda: stack(8),
 }
 """Models of 6 to 8 alike blocks: transformers' own loss from labels (a Llama, on the meta
-device in bfloat16 as real-size models are planned, and a Mixtral's experts), optremat's
+device in bfloat16 as real-size models are planned, a Mixtral's experts, and GPT-2 with
+its dropouts and tied head), optremat's
 GPT with dropout and under a `CausalLMLoss` over its tied head, and a plain Sequential
 whose blocks are the model's only modules."""
 

@@ -8,6 +8,7 @@ outside dispatch, such as checkpoint's saved RNG state.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -41,6 +42,26 @@ def resident_bytes(values: Iterable[Any]) -> int:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def step_resident(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None = None) -> list[Any]:
+    """What a step of `model` on `inputs` holds before it starts, as a plan prices it:
+    parameters, buffers, the inputs, and the tensors `loss_fn` holds from outside the step
+    (targets in its closure or its attributes, which the trace records as constants)."""
+    return [list(model.parameters()), list(model.buffers()), inputs, _held_by(loss_fn)]
+
+
+def _held_by(fn: Callable | None) -> list[torch.Tensor]:
+    """The tensors in `fn`'s closure and, for a callable object, its attributes."""
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not yet bound
+            continue
+    if fn is not None and not isinstance(fn, types.FunctionType):
+        values += list(getattr(fn, "__dict__", {}).values())
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
 
 
 def measure_peak(step: Callable[[], Any], resident: Iterable[Any] = (), device: str = "cpu",
@@ -106,7 +127,8 @@ def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[
     `model(*args)`), the loss `loss_fn(out)` or, without one, the loss its output carries
     (`outputs.loss`, as a transformers model given `labels` returns it).
 
-    Parameters, buffers and inputs count as resident; gradients are returned, not
+    Parameters, buffers, inputs and the tensors `loss_fn` holds count as resident
+    (`step_resident`); gradients are returned, not
     accumulated, so repeated calls measure the same step. The model's output is held
     through the backward, as a training loop holding `out = model(x)` holds it.
     """
@@ -121,4 +143,4 @@ def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[
         return torch.autograd.grad(loss, params, allow_unused=True)
 
     step()
-    return measure_peak(step, resident=[list(model.parameters()), list(model.buffers()), args, kwargs], device=device)
+    return measure_peak(step, resident=step_resident(model, (args, kwargs), loss_fn), device=device)

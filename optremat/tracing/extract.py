@@ -179,7 +179,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     grad_of = _grad_of(gm, graph)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)),
-                    lives_to=_lives_to(gm, graph, holds), edges=_formula_reads(gm, graph))
+                    lives_to=_lives_to(gm, graph, holds), edges=_formula_reads(gm, graph),
+                    size=_constants_once(gm, graph, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes)
 
@@ -494,6 +495,21 @@ def _lives_to(gm: torch.fx.GraphModule, graph: Graph, holds: dict[str, str]) -> 
     for ops in _formulas(gm, graph):
         lives_to[ops] = np.maximum(lives_to[ops], max(ops))
     return np.where(lives_to > np.arange(graph.n), lives_to, -1)
+
+
+def _constants_once(gm: torch.fx.GraphModule, graph: Graph, real: list) -> np.ndarray:
+    """`graph.size`, 0 for each constant the trace recorded (a tensor the loss holds from
+    outside the step) whose storage is a parameter's, a buffer's or an input's: a loss's
+    labels that are the batch's own are priced once, as the input."""
+    storages = {t.untyped_storage()._cdata for t in real if isinstance(t, torch.Tensor)}
+    index = {name: i for i, name in enumerate(graph.names)}
+    size = graph.size.copy()
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor) and node.name in index and value.untyped_storage()._cdata in storages:
+            size[index[node.name]] = 0
+    size.setflags(write=False)
+    return size
 
 
 def _formulas(gm: torch.fx.GraphModule, graph: Graph) -> list[list[int]]:

@@ -48,6 +48,7 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 _HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
 LOOPS = frozenset({
+    "transformers.models.gpt2.modeling_gpt2.GPT2Model",
     "transformers.models.llama.modeling_llama.LlamaModel",
     "transformers.models.mistral.modeling_mistral.MistralModel",
     "transformers.models.mixtral.modeling_mixtral.MixtralModel",
