@@ -123,7 +123,7 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         peers[f"PyTorch activation_memory_budget {torch_budget:g} (torch.compile)"] = (
             "whole", lambda: torch.autograd.grad(forward(idx), params))
     return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, cost_model=cost_model),
-                   dict(loss_fn=auto, cost_model=cost_model), rounds, limit, device, fractions, least_peaks)
+                   dict(loss_fn=auto, cost_model=cost_model), rounds, limit, device, fractions, least_peaks, labels)
 
 
 def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
@@ -154,16 +154,17 @@ def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[l
 
 def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, peers: dict[str, tuple[str, Step]],
             whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float, device: str = "cpu",
-            fractions: tuple[float, ...] = (0.85, 0.7, 0.55), least_peaks: bool = True
+            fractions: tuple[float, ...] = (0.85, 0.7, 0.55), least_peaks: bool = True, targets: Any = ()
             ) -> tuple[list[str], list[list[str]]]:
     """The least peaks of region plans with the whole head (`whole`: plan()'s options
     for it) and with its chunks priced (`auto`), and the rows: the `unplanned` step, each
     of `peers` (its head, its step), and optremat's plans (`planned_step` run with each
     installed) at each peer's measured peak (at the least peak found where none fits
     it, timed against that peer) and at `fractions` of the first one's,
-    every peak measured on `device` (the least peaks left out without `least_peaks`)."""
+    every peak measured on `device` (the least peaks left out without `least_peaks`), with
+    the parameters, buffers, inputs and loss `targets` resident, as plans price them."""
     params = list(model.parameters())
-    resident = [params, list(model.buffers()), inputs]
+    resident = [params, list(model.buffers()), inputs, targets]
 
     def measured(run: Step) -> int:
         run()
