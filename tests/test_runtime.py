@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optremat
+from optremat.bench import checkpointed_blocks
 from optremat.core.schedule import peak_floor
 from optremat.models import GPT, build
 from optremat.planners.regions import Region
@@ -544,3 +545,24 @@ def test_checkpoint_is_priced_per_call_and_per_tensor_its_nodes_save(name: str, 
     assert packed[0] > 0
     assert priced(0.0, 1.0) - priced(0.0, 0.0) == pytest.approx(packed[0])
     assert priced(1.0, 0.0) - priced(0.0, 0.0) == pytest.approx(blocks)
+
+
+def test_a_planned_call_inside_the_users_own_checkpoint_runs_as_that_checkpoint_runs_it() -> None:
+    """Blocks the user wraps in torch's checkpoint around a planned model: the plan's
+    regions inside them are left out (their rerun in the backward must save what their
+    forward saved), with a warning, and the gradients are the unplanned model's."""
+    from optremat.bench import checkpointed_blocks
+
+    torch.manual_seed(0)
+    model = GPT(256, 32, 32, 4, 4)
+    ids = torch.randint(0, 256, (2, 32))
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(ids).square().mean(), params)
+    plan = optremat.price_regions(model, (ids,), [Region("blocks.1", 0), Region("blocks.2.mlp", 0)],
+                                  loss_fn=lambda out: out.square().mean())
+    optremat.apply(model, plan)
+    with checkpointed_blocks(model, [f"blocks.{i}" for i in range(4)]), \
+            pytest.warns(UserWarning, match="runs inside torch.utils.checkpoint"):
+        got = torch.autograd.grad(model(ids).square().mean(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

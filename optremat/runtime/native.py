@@ -71,6 +71,7 @@ class _Runtime:
         self.calls: Counter[str] = Counter()
         self.active = False
         self.warned = False
+        self.warned_nested = False
         self.use(regions)
 
     def use(self, regions: tuple[Region, ...]) -> None:
@@ -277,6 +278,9 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
         return original(*args, **kwargs)
     call = runtime.next_call(state.path)
     region = runtime.regions.get((state.path, call))
+    if (region is not None or (state.path, call) in runtime.spans) and _under_checkpoint():
+        _warn_nested(runtime, state.path)
+        return original(*args, **kwargs)
     if region is not None:
         return checkpoint(original, *args, use_reentrant=False, context_fn=_context_fn(module, state.mutated, region),
                           **kwargs)
@@ -284,6 +288,23 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
     if spans is None:
         return original(*args, **kwargs)
     return _run_spans(module, state, {start: (stop, region) for start, stop, region in spans}, *args, **kwargs)
+
+
+def _under_checkpoint() -> bool:
+    """Whether this call runs inside `torch.utils.checkpoint` (its forward or its rerun in
+    the backward), whose saved-tensor hooks are then the innermost."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", "") == torch.utils.checkpoint.__name__
+
+
+def _warn_nested(runtime: _Runtime, path: str) -> None:
+    """A planned call inside the user's own checkpoint runs as their checkpoint runs it: its
+    rerun in the backward, where the plan no longer runs, must save what its forward saved."""
+    if not runtime.warned_nested:
+        runtime.warned_nested = True
+        warnings.warn(f"optremat: {path or 'the model'} runs inside torch.utils.checkpoint, so the plan's "
+                      "checkpointing there is left out (the step's memory is not the plan's); remove that "
+                      "checkpoint to run the plan", stacklevel=5)
 
 
 def _run_spans(module: nn.Sequential, state: _RegionState, spans: dict[int, tuple[int, Region]],
