@@ -177,10 +177,11 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     index = {name: i for i, name in enumerate(graph.names)}
     gradient_nodes = tuple(index[node.name] for node in results[len(results) - len(structure["gradients"]):])
     grad_of = _grad_of(gm, graph)
+    formulas = _formulas(gm, index)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)),
-                    lives_to=_lives_to(gm, graph, holds), edges=_formula_reads(gm, graph),
-                    size=_constants_once(gm, graph, tree_leaves(args)))
+                    lives_to=_lives_to(graph, holds, index, formulas), edges=_formula_reads(graph, formulas),
+                    size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes)
 
@@ -482,27 +483,25 @@ def _last_traced() -> torch.fx.Node | None:
     return None if mode is None else next(reversed(mode.tracer.graph.nodes), None)
 
 
-def _lives_to(gm: torch.fx.GraphModule, graph: Graph, holds: dict[str, str]) -> np.ndarray:
+def _lives_to(graph: Graph, holds: dict[str, str], index: dict[str, int], formulas: list[list[int]]) -> np.ndarray:
     """`Graph.lives_to` of a traced step: what Python holds (`_python_holds`), and the
     ops each autograd node runs in the backward, whose results its C++ formula holds
     until the formula returns (its temporaries die with the statement or the function,
-    its outputs are passed on), so until the last of them."""
-    index = {name: i for i, name in enumerate(graph.names)}
+    its outputs are passed on), so until the last of them (`_formulas`)."""
     lives_to = np.full(graph.n, -1, dtype=np.int64)
     for name, last in holds.items():
         if name in index and last in index:
             lives_to[index[name]] = index[last]
-    for ops in _formulas(gm, graph):
+    for ops in formulas:
         lives_to[ops] = np.maximum(lives_to[ops], max(ops))
     return np.where(lives_to > np.arange(graph.n), lives_to, -1)
 
 
-def _constants_once(gm: torch.fx.GraphModule, graph: Graph, real: list) -> np.ndarray:
+def _constants_once(gm: torch.fx.GraphModule, graph: Graph, index: dict[str, int], real: list) -> np.ndarray:
     """`graph.size`, 0 for each constant the trace recorded (a tensor the loss holds from
     outside the step) whose storage is a parameter's, a buffer's or an input's: a loss's
     labels that are the batch's own are priced once, as the input."""
     storages = {t.untyped_storage()._cdata for t in real if isinstance(t, torch.Tensor)}
-    index = {name: i for i, name in enumerate(graph.names)}
     size = graph.size.copy()
     for node in gm.graph.nodes:
         value = getattr(gm, node.target, None) if node.op == "get_attr" else None
@@ -512,9 +511,8 @@ def _constants_once(gm: torch.fx.GraphModule, graph: Graph, real: list) -> np.nd
     return size
 
 
-def _formulas(gm: torch.fx.GraphModule, graph: Graph) -> list[list[int]]:
-    """The Graph nodes of each autograd node's backward formula, in order."""
-    index = {name: i for i, name in enumerate(graph.names)}
+def _formulas(gm: torch.fx.GraphModule, index: dict[str, int]) -> list[list[int]]:
+    """The Graph nodes (by name in `index`) of each autograd node's backward formula, in order."""
     formulas: dict[int, list[int]] = {}
     for node in gm.graph.nodes:
         seq_nr = node.meta.get("custom", {}).get(f"{_MARK}_grad_of")
@@ -523,13 +521,13 @@ def _formulas(gm: torch.fx.GraphModule, graph: Graph) -> list[list[int]]:
     return list(formulas.values())
 
 
-def _formula_reads(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
+def _formula_reads(graph: Graph, formulas: list[list[int]]) -> np.ndarray:
     """`graph`'s edges, and one from each input of a backward formula to the formula's last
     op: the engine holds what an autograd node saved, and the gradient it was passed,
     until the node's whole formula has returned, whichever computation of a tensor it read
     (the forward's, or a checkpoint's recomputation)."""
     edges = set(map(tuple, graph.edges.tolist()))
-    for ops in _formulas(gm, graph):
+    for ops in formulas:
         inside, last = set(ops), max(ops)
         edges |= {(p, last) for v in ops for p in graph.preds[v].tolist() if p not in inside}
     array = np.array(sorted(edges), dtype=np.int64).reshape(-1, 2)
