@@ -118,7 +118,7 @@ def fsdp2_rank(budget: float) -> dict:
         if name == "plain":
             model, optimizer = accelerator.prepare(model, optimizer)
         else:
-            prepare = Prepare(budget, time_limit=1, deterministic=True)
+            prepare = Prepare(budget, time_limit=5, deterministic=True)
             loader = torch.utils.data.DataLoader(Tokens(8, 128), batch_size=2)
             model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
 
