@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -122,3 +123,20 @@ def test_a_budget_nothing_fits_is_proven_so_from_a_plan_that_overflows() -> None
     assert proven and hint
     found = solve_regions(rmap, rmap.candidates(), budget, time_limit=2, hint=hint, deterministic=True)
     assert found.priced is None and found.bound == math.inf
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny"])
+def test_a_deterministic_search_makes_the_same_plan_however_slow_the_machine(name: str, monkeypatch) -> None:
+    """In deterministic time the lazy rounds stop on the solver's own clock, so a machine
+    whose wall clock races (as under load) gets the plan and the least peak of an idle one."""
+    rmap = built_map(name)
+    least, _ = least_peak(rmap, rmap.candidates(), time_limit=0.5, deterministic=True)
+    budget = int(least.result.peak_bytes * 1.1)
+    idle = solve_regions(rmap, rmap.candidates(), budget, time_limit=0.5, deterministic=True)
+    clock = itertools.count(step=1000.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    loaded = solve_regions(rmap, rmap.candidates(), budget, time_limit=0.5, deterministic=True)
+    raced, _ = least_peak(rmap, rmap.candidates(), time_limit=0.5, deterministic=True)
+    assert idle.priced is not None and loaded.priced is not None
+    assert loaded.priced.lowering.regions == idle.priced.lowering.regions and loaded.priced.cost == idle.priced.cost
+    assert raced.result.peak_bytes == least.result.peak_bytes

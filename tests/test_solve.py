@@ -1,6 +1,9 @@
+import itertools
+import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,6 +66,22 @@ def test_with_fractional_costs_optimal_means_optimal_to_the_objective_rounding(g
     if solution.status == "OPTIMAL":
         model = IntervalModel(g, g.n, budget)
         assert best[0] - 1e-9 <= solution.cost <= best[0] + 2 * model.rounding / model.scale + 1e-9
+
+
+def test_auto_in_deterministic_time_makes_the_same_plan_however_slow_the_machine(monkeypatch):
+    """The heuristics' wall time does not shorten a deterministic search: a machine whose
+    clock races (as under load) gets the plan of an idle one, found by the search, not the
+    heuristics."""
+    g = random_training_graph(20, seed=0)
+    budget = resolve_budget(g, 0.6)
+    idle = solve(g, budget, "auto", time_limit=0.5, workers=1, deterministic=True)
+    assert idle.cost < best_heuristic(g, budget)[0].cost
+    clock = itertools.count(step=1000.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    loaded = solve(g, budget, "auto", time_limit=0.5, workers=1, deterministic=True)
+    assert loaded.cost == idle.cost
+    assert np.array_equal(loaded.schedule.node, idle.schedule.node)
+    assert np.array_equal(loaded.schedule.stage, idle.schedule.stage)
 
 
 def test_a_budget_the_unplanned_step_meets_needs_no_recomputation():

@@ -99,15 +99,24 @@ def _solve_lazily(cp: "_Cp", values: dict[Atom, bool] | None, time_limit: float,
     over the model's limit, and solve again from that plan, until a plan has no such event
     or the time runs out: the last status, its solver, and its plan (None if the solver
     returned none). With `values` None no round takes a hint (see `_fitting`); the time
-    counts from `started`."""
+    counts from `started`, or with `deterministic` is the solver's deterministic time
+    summed over the rounds, so that the rounds run, and the plan is, the same under any
+    load."""
     model, rmap = cp.regions, cp.regions.rmap
     hinted = values is not None
+    spent = 0.0
+
+    def out_of_time() -> bool:
+        return spent >= time_limit if deterministic else time.perf_counter() - started >= time_limit
+
     while True:
         cp.hint(values if hinted else None)
         solver = cp_model.CpSolver()
-        configure(solver, time_limit, started, workers or PORTFOLIO, seed, deterministic)
+        left = time_limit - spent if deterministic else time_limit
+        configure(solver, left, started, workers or PORTFOLIO, seed, deterministic)
         solver.parameters.linearization_level = 2
         status = solver.solve(cp.cp)
+        spent += solver.deterministic_time
         if status == cp_model.MODEL_INVALID:
             raise RuntimeError(f"cpsat rejected the region model: {cp.cp.validate()}")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -118,13 +127,13 @@ def _solve_lazily(cp: "_Cp", values: dict[Atom, bool] | None, time_limit: float,
         except InvalidSchedule:  # a region set whose lowering the simulator refuses: never returned
             cp.forbid(values)
             values = None
-            if time.perf_counter() - started >= time_limit:
+            if out_of_time():
                 return status, solver, None
             continue
         curve, limit = priced.result.curve, cp.limit(solver)
         order = np.argsort(-curve, kind="stable")
         over = order[curve[order] > limit]
-        if not len(over) or time.perf_counter() - started >= time_limit:
+        if not len(over) or out_of_time():
             return status, solver, priced
         schedule = priced.lowering.schedule
         events = [(int(schedule.stage[e]), int(schedule.node[e])) for e in over[:ROWS_PER_ROUND].tolist()]

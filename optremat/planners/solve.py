@@ -135,7 +135,8 @@ def _auto(graph: Graph, budget_bytes: int, options: Options) -> Solution:
     if seed_plan is not None and hint is None:
         hint = seed_plan.schedule
         copies = max(copies, min(int(np.bincount(hint.node).max()), MAX_COPIES))
-    remaining = max(options.time_limit - (time.perf_counter() - started), 0.0)
+    elapsed = 0.0 if options.deterministic else time.perf_counter() - started
+    remaining = max(options.time_limit - elapsed, 0.0)
 
     def fallback(bound: float | None = None) -> Solution:
         """The seed plan, with `bound` if it holds for it, else the bound every plan obeys."""
