@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import optremat
 from optremat.runtime.measure import measure_step
+from optremat.tracing.extract import trace
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,6 +32,19 @@ def t5() -> tuple[nn.Module, Batch]:
     labels = torch.randint(1, 1000, (4, 64))
     return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                                              "labels": labels}
+
+
+def t5_as_a_trainer_leaves_it() -> tuple[nn.Module, Batch]:
+    """T5 built with its default key/value cache on, then `config.use_cache = False` as
+    transformers' Trainer sets it: the decoder stack keeps its own copy of the config, so
+    it still builds a cache and hands it to every attention call."""
+    config = transformers.T5Config(vocab_size=256, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=2, dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0,
+                                   relative_attention_num_buckets=8)
+    model = transformers.T5ForConditionalGeneration(config)
+    model.config.use_cache = False
+    assert model.decoder.config.use_cache
+    return model, {"input_ids": torch.randint(3, 256, (2, 32)), "labels": torch.randint(3, 256, (2, 16))}
 
 
 def bert() -> tuple[nn.Module, Batch]:
@@ -97,7 +111,7 @@ def own_loss_step(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torc
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float) -> None:
+def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float | int) -> optremat.Plan:
     """Plan the family at `budget` and apply it: loss and gradients equal the unplanned
     step's bitwise; the planned step's measured peak is within 5% of the prediction and at
     most 2% over the budget."""
@@ -119,10 +133,25 @@ def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], bu
     measured = measure_step(model, batch).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
     assert measured <= 1.02 * plan.budget_bytes, (measured, plan.summary())
+    return plan
 
 
 def test_an_encoder_decoder_t5_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(t5, 0.7)
+
+
+def test_a_t5_whose_decoder_hands_its_attention_a_cache_never_checkpoints_those_calls() -> None:
+    """Checkpointing a call that writes a cache made outside it fails in the backward
+    (its rerun writes again and saves other tensors): such calls are left out of plans,
+    even at the least peak the others reach."""
+    torch.manual_seed(0)
+    model, batch = t5_as_a_trainer_leaves_it()
+    cached = trace(model.train(), batch).cached_calls
+    assert ("decoder.block.1.layer.1.EncDecAttention", 0) in cached and ("decoder.block.1.layer.2", 0) not in cached
+    with pytest.raises(optremat.InfeasibleBudget) as refused:
+        optremat.plan(model, batch, 0.3, time_limit=0.3, deterministic=True)
+    plan = plans_exactly_within_budget(t5_as_a_trainer_leaves_it, refused.value.smallest)
+    assert not {(region.path, region.call) for region in plan.regions} & cached
 
 
 def test_an_encoder_bert_classifying_sequences_plans_exactly_within_its_budget() -> None:

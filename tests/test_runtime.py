@@ -566,3 +566,25 @@ def test_a_planned_call_inside_the_users_own_checkpoint_runs_as_that_checkpoint_
         got = torch.autograd.grad(model(ids).square().mean(), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_a_planned_call_handed_a_key_value_cache_runs_as_the_models_own() -> None:
+    """A Llama planned with its cache off, then run with it on: each decoder layer is handed
+    the cache, which a checkpointed layer's rerun would write again (checkpoint raises), so
+    those calls run unplanned, with a warning, and the gradients are the unplanned model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 16))
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(input_ids=ids, labels=ids, use_cache=True).loss, params)
+    plan = optremat.price_regions(model, {"input_ids": ids, "labels": ids},
+                                  [Region("model.layers.0", 0), Region("model.layers.1.mlp", 0)])
+    optremat.apply(model, plan)
+    with pytest.warns(UserWarning, match="is handed a key/value cache"):
+        got = torch.autograd.grad(model(input_ids=ids, labels=ids, use_cache=True).loss, params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

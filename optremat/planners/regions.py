@@ -98,7 +98,8 @@ class RegionMap:
     region never spans two units, so its rerun finds its parameters gathered and never
     gathers them again. `rng_state_bytes` is one stash of the RNG state in the device's
     memory and `buffers` the node of each buffer the forward writes (by its name in
-    `named_buffers`): see `stash`."""
+    `named_buffers`): see `stash`. `cached` are the calls handed a key/value cache made
+    outside them (`tracing.kv_cache`): no region is one of them or spans one."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]
@@ -111,6 +112,7 @@ class RegionMap:
     pack_seconds: float = 0.0
     rng_state_bytes: int = 0
     buffers: dict[str, int] = field(default_factory=dict)
+    cached: frozenset[Call] = frozenset()
 
     def stash(self, call: Call) -> "Stash":
         """What the runtime holds for `call` when it runs under checkpoint: checkpoint's
@@ -196,18 +198,18 @@ class RegionMap:
         """Candidate region sets, each of calls that share no op: every module call at one
         depth of the call tree, and the spans of one length over every Sequential call at
         one depth (spans of Sequentials nested in one another overlap), less any call that
-        spans two units."""
+        spans two units or is handed a key/value cache."""
         depth = max((len(stack) for stack in self.calls), default=0)
         found = []
         for d in range(depth):
             calls = tuple(call for call in dict.fromkeys(stack[d] for stack in self.calls if len(stack) > d)
-                          if self._within_a_unit(call))
+                          if self._runnable(call))
             if calls and calls not in found:
                 found.append(calls)
         by_length: dict[tuple[int, int], list[Call]] = {}
         for call in self.members:
             span = parse_span(call[0])
-            if span is None or not self._within_a_unit(call):
+            if span is None or not self._runnable(call):
                 continue
             path, a, b = span
             for length, tiling in _tilings(len(self.sequences[path])).items():
@@ -223,6 +225,19 @@ class RegionMap:
 
     def _within_a_unit(self, call: Call) -> bool:
         return self.unit is None or len(set(self.unit[self.members[call]].tolist())) == 1
+
+    def _runnable(self, call: Call) -> bool:
+        """Whether checkpoint can run `call`: within one FSDP unit, handed no key/value cache."""
+        return self._within_a_unit(call) and call not in self._handed_caches
+
+    @cached_property
+    def _handed_caches(self) -> frozenset[Call]:
+        """The calls handed a key/value cache, and the spans over any of them."""
+        found = set(self.cached)
+        for stack in self.calls:
+            if self.cached.intersection(stack):
+                found.update(self._spans_of(stack))
+        return frozenset(found)
 
     def keys(self, call: Call) -> dict[int, tuple[str, int]]:
         """Each op of a call keyed as a selective policy counts it: (op, occurrence)."""

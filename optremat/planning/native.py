@@ -229,7 +229,7 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
     written = {name: first + buffers.index(name) for name in traced.mutated_buffers if name in buffers}
     return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
                      profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds,
-                     profile.rng_state_bytes, written)
+                     profile.rng_state_bytes, written, traced.cached_calls)
 
 
 def runs_its_children(module: nn.Module) -> bool:

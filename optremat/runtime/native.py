@@ -38,6 +38,7 @@ from optremat.planners.regions import Region, parse_span
 from optremat.planning.native import runs_its_children
 from optremat.tracing.extract import tracing
 from optremat.tracing.fingerprint import model_fingerprint
+from optremat.tracing.kv_cache import receives_cache
 
 _RUNTIME = "_optremat_runtime"
 _REGION = "_optremat_region"
@@ -71,7 +72,7 @@ class _Runtime:
         self.calls: Counter[str] = Counter()
         self.active = False
         self.warned = False
-        self.warned_nested = False
+        self.left_out: set[str] = set()
         self.use(regions)
 
     def use(self, regions: tuple[Region, ...]) -> None:
@@ -176,10 +177,6 @@ def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fi
         raise PlanMismatch(f"this plan was made for another model (fingerprint {fingerprint}, this model gives "
                            f"{model_fingerprint(model)}); plan again")
     check(model, regions, mutated_buffers)
-    if regions and getattr(getattr(model, "config", None), "use_cache", False):
-        warnings.warn("optremat: model.config.use_cache is True: a checkpointed call that writes into a key/value "
-                      "cache created outside it sees another cache when it reruns, and checkpoint raises; set "
-                      "use_cache=False for training, as transformers' own gradient checkpointing does", stacklevel=3)
     remove(model)
     runtime = _Runtime(regions, training, choose, mutated_buffers, forward)
     setattr(model, _RUNTIME, runtime)
@@ -278,8 +275,7 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
         return original(*args, **kwargs)
     call = runtime.next_call(state.path)
     region = runtime.regions.get((state.path, call))
-    if (region is not None or (state.path, call) in runtime.spans) and _under_checkpoint():
-        _warn_nested(runtime, state.path)
+    if (region is not None or (state.path, call) in runtime.spans) and _left_out(runtime, state.path, args, kwargs):
         return original(*args, **kwargs)
     if region is not None:
         return checkpoint(original, *args, use_reentrant=False, context_fn=_context_fn(module, state.mutated, region),
@@ -297,14 +293,25 @@ def _under_checkpoint() -> bool:
     return top is not None and getattr(top[0], "__module__", "") == torch.utils.checkpoint.__name__
 
 
-def _warn_nested(runtime: _Runtime, path: str) -> None:
-    """A planned call inside the user's own checkpoint runs as their checkpoint runs it: its
-    rerun in the backward, where the plan no longer runs, must save what its forward saved."""
-    if not runtime.warned_nested:
-        runtime.warned_nested = True
-        warnings.warn(f"optremat: {path or 'the model'} runs inside torch.utils.checkpoint, so the plan's "
-                      "checkpointing there is left out (the step's memory is not the plan's); remove that "
-                      "checkpoint to run the plan", stacklevel=5)
+def _left_out(runtime: _Runtime, path: str, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a planned call runs as the model's own, with a warning once per reason:
+    inside the user's own checkpoint (its rerun in the backward, where the plan no longer
+    runs, must save what its forward saved), or handed a key/value cache, which its rerun
+    would write again (`tracing.kv_cache`; plans made with the cache on leave such calls
+    out, so this is a plan made with it off)."""
+    if _under_checkpoint():
+        reason = ("runs inside torch.utils.checkpoint, so the plan's checkpointing there is left out (the step's "
+                  "memory is not the plan's); remove that checkpoint to run the plan")
+    elif receives_cache(args, kwargs):
+        reason = ("is handed a key/value cache, which a rerun would write again, so the plan's checkpointing there "
+                  "is left out (the step's memory is not the plan's); set use_cache=False for training, or plan "
+                  "with the cache on")
+    else:
+        return False
+    if reason not in runtime.left_out:
+        runtime.left_out.add(reason)
+        warnings.warn(f"optremat: {path or 'the model'} {reason}", stacklevel=5)
+    return True
 
 
 def _run_spans(module: nn.Sequential, state: _RegionState, spans: dict[int, tuple[int, Region]],

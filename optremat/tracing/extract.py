@@ -35,6 +35,7 @@ from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, 
                                     workspace_bytes)
 from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
+from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
 from optremat.tracing.lm_loss import standing_in
 from optremat.tracing.repeat import expanded, hooks_kept, repeated_blocks, shortened
 from optremat.tracing.traced import Traced
@@ -150,8 +151,9 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
+    cached: set[tuple[str, int]] = set()
     with _tracing(), _grouped_mm_in_any_float(), eager_mask_decisions(tree_leaves(args)), \
-            _module_paths(model) as where, _python_holds(model) as holds, fx_traceback.preserve_node_meta():
+            _module_paths(model, cached) as where, _python_holds(model) as holds, fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
                          decomposition_table=DECOMPOSITIONS)(*args)
@@ -183,7 +185,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                     lives_to=_lives_to(graph, holds, index, formulas), edges=_formula_reads(graph, formulas),
                     size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
-    return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes)
+    return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes,
+                  frozenset(cached))
 
 
 def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
@@ -258,8 +261,11 @@ def _held(out: Any) -> list[torch.Tensor]:
     """The model's output tensors, returned by the traced step so that they live through
     the backward: a training loop that writes `out = model(x); loss = f(out)`, or reads
     `outputs.loss`, holds the output until the step ends, and a plan priced without it
-    would exceed its budget by the output's bytes there."""
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    would exceed its budget by the output's bytes there; a key/value cache in the output
+    holds its tensors as long."""
+    leaves = tree_leaves(out)
+    return [t for t in leaves if isinstance(t, torch.Tensor)] + [t for c in leaves if is_cache(c)
+                                                                 for t in cache_tensors(c)]
 
 
 def _grad_leaves(out: Any) -> list[torch.Tensor]:
@@ -406,9 +412,10 @@ def _grad_of(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
 
 
 @contextmanager
-def _module_paths(model: nn.Module) -> Iterator[Callable[[], str]]:
+def _module_paths(model: nn.Module, cached: set[tuple[str, int]]) -> Iterator[Callable[[], str]]:
     """Tag traced nodes with the path of the module running them and the stack of module
-    calls (path, call number) around them."""
+    calls (path, call number) around them; add to `cached` each call handed a key/value
+    cache (`kv_cache`)."""
     stack: list[tuple[str, int]] = [("", 0)]
     count: dict[str, int] = {}
 
@@ -416,9 +423,11 @@ def _module_paths(model: nn.Module) -> Iterator[Callable[[], str]]:
         _set_custom(module=stack[-1][0], calls="|".join(f"{path}#{k}" for path, k in stack[1:]))
 
     def enter(path: str) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
             count[path] = count.get(path, 0) + 1
+            if receives_cache(args, kwargs):
+                cached.add(stack[-1])
             tag()
         return hook
 
@@ -429,7 +438,7 @@ def _module_paths(model: nn.Module) -> Iterator[Callable[[], str]]:
     handles = []
     for path, module in model.named_modules():
         if path:
-            handles.append(module.register_forward_pre_hook(enter(path)))
+            handles.append(module.register_forward_pre_hook(enter(path), with_kwargs=True))
             handles.append(module.register_forward_hook(leave))
     try:
         yield lambda: stack[-1][0]

@@ -279,6 +279,8 @@ def expanded(traced: Traced, short: nn.Module, model: nn.Module, path: str, n: i
     """The step of `model`, whose `n` blocks at `path` are alike, from `traced`, the step of
     `short` (`shortened(model, path)`). Raises NotAlike where the short step's second and
     third blocks do not repeat as the copies need."""
+    if traced.cached_calls:
+        raise NotAlike("calls are handed a key/value cache")
     names = [*dict(short.named_parameters()), *dict(short.named_buffers())]
     layout = _layout(traced, names, path)
     if _signature(traced, layout, 1, path) != _signature(traced, layout, 2, path):

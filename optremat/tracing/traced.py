@@ -22,7 +22,8 @@ class Traced:
     (-1 for forward nodes and for backward ops autograd runs between nodes, such as the
     sums of gradients); a saved tensor is saved by that autograd node. `gradients`
     names the parameters whose gradients the step returns, in order, and `gradient_nodes`
-    the Graph nodes holding them.
+    the Graph nodes holding them. `cached_calls` are the module calls handed a key/value
+    cache (`tracing.kv_cache`): never checkpointed.
     """
 
     module: torch.fx.GraphModule
@@ -33,6 +34,7 @@ class Traced:
     random: tuple[bool, ...] = ()
     mutated_buffers: tuple[str, ...] = ()
     gradient_nodes: tuple[int, ...] = ()
+    cached_calls: frozenset[tuple[str, int]] = frozenset()
 
     def parameters(self, model: nn.Module) -> list[tuple[int, int]]:
         """(parameter node, node holding its gradient or -1) for each of `model`'s
