@@ -188,6 +188,22 @@ def test_a_chunked_plan_is_refused_by_a_model_whose_head_got_hooks_since(chunked
     assert "forward" not in model.__dict__
 
 
+def test_a_hook_put_on_the_head_after_the_plan_runs_with_the_head_whole(chunked) -> None:
+    """A hook a chunked head would not call, added once the plan is on: the model's own
+    head and loss run, with a warning, and the step is the unplanned one with the hook."""
+    model, batch, _, found = chunked
+    optremat.apply(model, found)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out * 0.5)
+    try:
+        with pytest.warns(UserWarning, match="lm_head has hooks"):
+            got = step(model, batch)
+        optremat.remove(model)
+        assert_same(got, step(model, batch))
+    finally:
+        handle.remove()
+        optremat.remove(model)
+
+
 def test_head_chunks_that_cannot_run_are_refused_before_tracing() -> None:
     model, batch = built("llama")
 

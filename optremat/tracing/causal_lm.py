@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Iterator
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from optremat.tracing.extract import tracing
 from optremat.tracing.inputs import call_of
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss, check_chunks
 
@@ -49,6 +51,11 @@ def unsupported(model: nn.Module) -> str | None:
         return reason
     if not _runs_its_class_forward(model):
         return f"{type(model).__name__}'s forward was replaced on the model, so its class's is not what it runs"
+    return _hooked(model)
+
+
+def _hooked(model: nn.Module) -> str | None:
+    """Why hooks on `model`'s head keep it from running in chunks, or None."""
     head = model.get_output_embeddings()
     if head._forward_hooks or head._forward_pre_hooks:
         return f"{type(model).__name__}'s lm_head has hooks, which a head run in chunks would not call"
@@ -108,12 +115,18 @@ class HeadInChunks:
     `CausalLMLoss` in `chunks` token chunks, returning the forward's output with
     `logits` None (a tuple keeps their place, as None); a call that computes no loss runs
     the model's own forward. Called as `HeadInChunks(k)(model, forward, *args, **kwargs)`,
-    `forward` being the model's own."""
+    `forward` being the model's own. A head or loss changed since the plan was made (a
+    hook added to the head, which a trace's own hooks are not) runs the model's own
+    forward too, with a warning."""
 
     chunks: int
 
     def __call__(self, model: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        call = None if _unsupported_class(model) is not None else _loss_call(model, args, kwargs)
+        reason = _unsupported_class(model) or (None if tracing() else _hooked(model))
+        if reason is not None:
+            warnings.warn(f"optremat: {reason}: the model's own head and loss run whole, as unplanned (the step's "
+                          "memory is not the plan's)", stacklevel=3)
+        call = None if reason is not None else _loss_call(model, args, kwargs)
         if call is None:
             return forward(*args, **kwargs)
         arguments, extra, labels = call
@@ -152,8 +165,7 @@ def running(model: nn.Module, chunks: int | None) -> Iterator[None]:
 
 def _unsupported_class(model: nn.Module) -> str | None:
     """Why `model`'s class, head or loss function keeps its own loss from running with its
-    head in chunks, or None: what a call checks again (hooks, such as a trace's, are
-    checked once, by `unsupported`)."""
+    head in chunks, or None (hooks are checked apart, `_hooked`: a trace adds its own)."""
     name = type(model).__name__
     defining = _defining(type(model))
     if not _known(defining):
