@@ -1,5 +1,5 @@
 """Model families nobody tuned for, from small transformers configs: an encoder-decoder
-(T5), an encoder (BERT classifying sequences), a vision transformer (ViT), convnets
+(T5), encoders (BERT classifying sequences, ELECTRA), a vision transformer (ViT), convnets
 (ResNet, ConvNeXt) and mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, in float32 and
 bfloat16), each planned on a dict batch with labels (the model's own loss), applied, and
 checked against the unplanned model: the same loss and gradients, bitwise, and a measured
@@ -54,6 +54,18 @@ def bert() -> tuple[nn.Module, Batch]:
     return transformers.BertForSequenceClassification(config), {
         "input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
         "labels": torch.randint(0, 3, (8,))}
+
+
+def electra() -> tuple[nn.Module, Batch]:
+    """ELECTRA's discriminator, whose loss selects the unpadded tokens with a boolean mask:
+    a size the data decides, priced at the most it can be."""
+    config = transformers.ElectraConfig(vocab_size=256, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    ids = torch.randint(3, 256, (2, 32))
+    mask = torch.ones_like(ids)
+    mask[1, 24:] = 0
+    return transformers.ElectraForPreTraining(config), {"input_ids": ids, "attention_mask": mask,
+                                                        "labels": torch.randint(0, 2, (2, 32))}
 
 
 def vit() -> tuple[nn.Module, Batch]:
@@ -111,10 +123,11 @@ def own_loss_step(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torc
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float | int) -> optremat.Plan:
+def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float | int,
+                                peaks: bool = True) -> optremat.Plan:
     """Plan the family at `budget` and apply it: loss and gradients equal the unplanned
-    step's bitwise; the planned step's measured peak is within 5% of the prediction and at
-    most 2% over the budget."""
+    step's bitwise; with `peaks`, the planned step's measured peak is within 5% of the
+    prediction and at most 2% over the budget."""
     torch.manual_seed(0)
     model, batch = build()
     model.train()
@@ -130,6 +143,8 @@ def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], bu
     assert got[1].keys() == want[1].keys()
     for name, grad in want[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+    if not peaks:
+        return plan
     measured = measure_step(model, batch).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
     assert measured <= 1.02 * plan.budget_bytes, (measured, plan.summary())
@@ -156,6 +171,16 @@ def test_a_t5_whose_decoder_hands_its_attention_a_cache_never_checkpoints_those_
 
 def test_an_encoder_bert_classifying_sequences_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(bert, 0.7)
+
+
+def test_an_electra_whose_loss_selects_tokens_by_a_mask_plans_and_trains_as_unplanned() -> None:
+    plans_exactly_within_budget(electra, 0.7, peaks=False)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a rerun of attention with dropout (the math kernel) holds a few "
+                                       "more activations than priced; measured 3.5% over the budget")
+def test_an_electras_planned_peak_is_within_its_budget() -> None:
+    plans_exactly_within_budget(electra, 0.7)
 
 
 def test_a_vision_transformer_plans_exactly_within_its_budget() -> None:

@@ -81,6 +81,22 @@ class Gated(nn.Module):
         return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
 
 
+class Attention(nn.Module):
+    """Self-attention run by PyTorch's CPU flash kernel, whose forward and backward
+    allocate scratch blocks per thread; `heads_first` returns the output in (batch, head,
+    query) order, so its gradient reaches the backward laid out otherwise than the output,
+    which the backward copies."""
+
+    def __init__(self, heads_first: bool = False) -> None:
+        super().__init__()
+        self.qkv, self.heads_first = nn.Linear(WIDTH, 3 * WIDTH), heads_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(4, BATCH // 4, 3, 4, WIDTH // 4).unbind(2))
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return (out if self.heads_first else out.transpose(1, 2)).reshape(BATCH, WIDTH)
+
+
 def framed(*blocks: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, WIDTH), *blocks, nn.Linear(WIDTH, 4)).double()
@@ -102,6 +118,9 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
     "a product's inputs held until its backward formula returns": (lambda: framed(Gated()), ()),
     "a product's recomputed inputs held until its backward formula returns": (
         lambda: framed(Gated()), (Region("1", 0),)),
+    "the flash attention kernel's scratch, its call checkpointed": (lambda: framed(Attention()), (Region("1", 0),)),
+    "the flash attention kernel's copy of a gradient laid out otherwise": (
+        lambda: framed(Attention(heads_first=True)), (Region("1", 0),)),
     "a tuple's halves held while the caller runs, in its rerun too": (
         lambda: framed(nn.Sequential(Unpacking(), nn.Tanh())), (Region("1", 0),)),
 }

@@ -91,10 +91,25 @@ def profile_for(device: torch.device) -> str:
     return "h100"
 
 
+def concrete(value: Any) -> Any:
+    """`value` as a number where it is a symbolic size: the traced size, or for a size the
+    data decides (the rows a boolean mask selects) the most it can be, so that memory is
+    never priced under what a batch can take."""
+    if not isinstance(value, (torch.SymInt, torch.SymFloat)):
+        return value
+    node = value.node
+    if node.has_hint():
+        return node.hint
+    most = node.shape_env.bound_sympy(node.expr).upper
+    if not most.is_finite:
+        raise ValueError(f"a size the data decides has no bound to price it at: {node.expr}")
+    return int(most) if isinstance(value, torch.SymInt) else float(most)
+
+
 def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor in a (possibly nested) value, each counted by its own size."""
     leaves = torch.utils._pytree.tree_leaves(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    return sum(concrete(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def op_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
@@ -107,7 +122,7 @@ def op_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
-    return int(formula(*args, **kwargs, out_val=out))
+    return int(concrete(formula(*args, **kwargs, out_val=out)))
 
 
 def node_flops(node: torch.fx.Node) -> int:
@@ -131,7 +146,7 @@ def fused_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
     inputs are read instead of its output."""
     args, kwargs = _fake_arguments(node)
     out = node.meta.get("val")
-    elements = out.numel() if isinstance(out, torch.Tensor) else 0
+    elements = concrete(out.numel()) if isinstance(out, torch.Tensor) else 0
     return max(op_flops(node.target, args, kwargs, out), elements) / profile.flops_per_second
 
 
@@ -171,7 +186,34 @@ def workspace_bytes(node: torch.fx.Node) -> int:
         return (3 if node.args[5] and x.dim() == 2 else 2) * x.shape[1] * x.element_size()
     if packet is aten.native_layer_norm_backward and node.args[5] is not None:
         return 2 * tensor_bytes(value(5)) if any(node.args[7][1:]) else 0
+    if packet in (aten._scaled_dot_product_flash_attention_for_cpu,
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward):
+        return flash_attention_cpu_workspace(node)
     return 0
+
+
+def flash_attention_cpu_workspace(node: torch.fx.Node) -> int:
+    """Scratch of PyTorch's CPU flash attention (torch 2.13), measured: per thread
+    (`torch.get_num_threads()` as the step is traced), query blocks of 32 rows (64 from
+    192 queries, 256 from 768) against key blocks of up to 512, in the accumulation dtype
+    (float32 for half types): the forward holds a block of scores, two row statistics and
+    a block of output; the backward two blocks of scores, one row vector, and a copy of
+    the output gradient unless it is laid out as the output is (batch, query, head). Half
+    types hold more (converted copies) that is not priced."""
+    query, grad = node.args[0].meta["val"], None
+    backward = node.target.overloadpacket is aten._scaled_dot_product_flash_attention_for_cpu_backward
+    if backward:
+        grad, query = query, node.args[1].meta["val"]
+    keys = node.args[2 if backward else 1].meta["val"]
+    rows, width = concrete(query.shape[-2]), concrete(query.shape[-1])
+    q_block = 256 if rows >= 768 else 64 if rows >= 192 else 32
+    q_block, kv_block = min(q_block, rows), min(512, concrete(keys.shape[-2]))
+    item = max(query.element_size(), 4)
+    threads = torch.get_num_threads()
+    if not backward:
+        return threads * (q_block * kv_block + 2 * q_block + q_block * width) * item
+    copied = 0 if grad.transpose(1, 2).is_contiguous() else tensor_bytes(grad)
+    return threads * 2 * q_block * kv_block * item + q_block * item + copied
 
 
 class _OpTimer(torch.fx.Interpreter):

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
 from optremat.tracing.chunked import DECOMPOSITIONS
-from optremat.tracing.costs import (COST_MODELS, DeviceProfile, device_profile, profile_costs, roofline_cost,
+from optremat.tracing.costs import (COST_MODELS, concrete, DeviceProfile, device_profile, profile_costs, roofline_cost,
                                     workspace_bytes)
 from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
@@ -648,7 +648,7 @@ def _viewed(node: torch.fx.Node) -> torch.fx.Node:
 
 def _storages(value: Any) -> dict[StorageWeakRef, int]:
     """The distinct storages behind a node's value, with their bytes."""
-    return {StorageWeakRef(t.untyped_storage()): int(t.untyped_storage().nbytes())
+    return {StorageWeakRef(t.untyped_storage()): int(concrete(t.untyped_storage().nbytes()))
             for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
 
 
