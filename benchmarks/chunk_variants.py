@@ -43,6 +43,7 @@ from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks
 from optremat.core.graph import format_bytes
 from optremat.models import HiddenGPT
+from optremat.plots import plot_lines
 from optremat.runtime.measure import measure_peak
 
 HEADER = ["blocks", "chunks", "loss", "gradients of a chunk", "measured peak", "step time / gradients in the forward (median)"]
@@ -65,8 +66,9 @@ def torch_chunks(head: nn.Module, labels: torch.Tensor, chunks: int, reduction: 
     return loss
 
 
-def rows(rounds: int, counts: tuple[int, ...]) -> list[list[str]]:
-    """Each chunk count's three ways, measured as the module docstring says."""
+def rows(rounds: int, counts: tuple[int, ...]) -> tuple[list[list[str]], dict[str, list[tuple[float, float]]]]:
+    """Each chunk count's three ways, measured as the module docstring says: the table's
+    rows, and per way its (measured MiB, step time ratio) points."""
     torch.manual_seed(0)
     model = HiddenGPT(**SHAPE)
     idx = torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq"]))
@@ -106,12 +108,13 @@ def rows(rounds: int, counts: tuple[int, ...]) -> list[list[str]]:
         order.shuffle(keys)
         for key in keys:
             seconds[key].append(_seconds(ways[key][1], "cpu"))
-    table = []
+    table, points = [], {}
     for (kind, k, way), (name, _) in ways.items():
         ratio = statistics.median(m / b for m, b in zip(seconds[kind, k, way], seconds[kind, k, "forward"]))
-        table.append([kind, str(k), name, "recomputed in the backward" if way == "backward" else "taken in the forward",
-                      format_bytes(peaks[kind, k, way]), f"{ratio:.3f}"])
-    return table
+        gradients = "recomputed in the backward" if way == "backward" else "taken in the forward"
+        table.append([kind, str(k), name, gradients, format_bytes(peaks[kind, k, way]), f"{ratio:.3f}"])
+        points.setdefault(f"{name}, gradients {gradients}", []).append((peaks[kind, k, way] / 2**20, ratio))
+    return table, points
 
 
 def main() -> None:
@@ -123,11 +126,14 @@ def main() -> None:
     torch.set_flush_denormal(True)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread, no GPU"
     command = " ".join(["python -m benchmarks.chunk_variants"] + sys.argv[1:])
+    table, points = rows(args.rounds, tuple(int(k) for k in args.chunks.split(",")))
+    here = Path(__file__).parent
+    plot_lines(here / "chunk_variants.png", {}, "gpt-mini's LM head in chunks, two ways", "measured peak (MiB)",
+               "step time / gradients in the forward (median)", marks=points)
     head = ["# LM head chunks: gradients in the forward or logits recomputed in the backward", "",
             f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.", "",
-            __doc__.split("\n\n", 2)[2].strip(), ""]
-    table = rows(args.rounds, tuple(int(k) for k in args.chunks.split(",")))
-    write_rows(Path(__file__).parent / "chunk_variants.md", head, HEADER, [table])
+            __doc__.split("\n\n", 2)[2].strip(), "", "![Measured peak and step time of each way](chunk_variants.png)", ""]
+    write_rows(here / "chunk_variants.md", head, HEADER, [table])
 
 
 if __name__ == "__main__":
