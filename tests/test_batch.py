@@ -66,22 +66,6 @@ def test_cli_max_batch() -> None:
     assert bad.returncode == 2 and "memory size" in bad.stderr and bad.stderr.strip().count("\n") == 0
 
 
-def test_an_alternative_way_that_holds_less_fits_more_and_is_named() -> None:
-    """A way of running the step that holds half the bytes for 5% more compute: planned,
-    the search takes it where the step as given no longer fits, and names it."""
-    at = graph_at(traced("gpt-tiny", 1), traced("gpt-tiny", 2), 1, 2)
-
-    def half(batch: int):
-        graph = at(batch)
-        return replace(graph, size=graph.size // 2, cost=graph.cost * 1.05)
-
-    memory = 4 * 2**20
-    alone = max_batch(at, memory, max_overhead=0.25, time_limit=0.02, deterministic=True)
-    both = max_batch(at, memory, max_overhead=0.25, time_limit=0.02, deterministic=True, alternatives=[("half", half)])
-    assert both.unplanned == alone.unplanned and both.planned > alone.planned
-    assert both.planned_with == "half" and 0.05 - 1e-9 <= both.planned_overhead <= 0.25
-
-
 @pytest.mark.slow
 def test_cli_max_batch_prices_the_head_in_chunks() -> None:
     result = console.run("max-batch", "--model", "gpt-tiny", "--memory", "4MiB", "--time-limit", "0.1",
