@@ -6,7 +6,7 @@ hundred bytes matter)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -97,6 +97,31 @@ class Attention(nn.Module):
         return (out if self.heads_first else out.transpose(1, 2)).reshape(BATCH, WIDTH)
 
 
+class TanhGelu(torch.autograd.Function):
+    """A GELU with its own Python backward, as BLOOM writes it: one named temporary, the
+    rest of each expression's temporaries dropped as the expression reads them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return (0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)) * g
+
+
+class PythonBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(TanhGelu.apply(self.up(x)))
+
+
 def framed(*blocks: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, WIDTH), *blocks, nn.Linear(WIDTH, 4)).double()
@@ -121,6 +146,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
     "the flash attention kernel's scratch, its call checkpointed": (lambda: framed(Attention()), (Region("1", 0),)),
     "the flash attention kernel's copy of a gradient laid out otherwise": (
         lambda: framed(Attention(heads_first=True)), (Region("1", 0),)),
+    "a Python backward's temporaries dropped as its expressions read them": (lambda: framed(PythonBackward()), ()),
     "a tuple's halves held while the caller runs, in its rerun too": (
         lambda: framed(nn.Sequential(Unpacking(), nn.Tanh())), (Region("1", 0),)),
 }

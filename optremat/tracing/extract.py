@@ -144,7 +144,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                 roots, root_grads = [loss_fn(out)], None
         else:
             roots, root_grads = _grad_leaves(out), grad_outputs
-        with _phase("backward"), _tag_grad_fns(roots):
+        with _phase("backward"), _tag_grad_fns(roots, python):
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
         return roots, _held(out), [g for g in grads if g is not None]
@@ -152,6 +152,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
     cached: set[tuple[str, int]] = set()
+    python: set[int] = set()
     with _tracing(), _grouped_mm_in_any_float(), eager_mask_decisions(tree_leaves(args)), \
             _module_paths(model, cached) as where, _python_holds(model) as holds, fx_traceback.preserve_node_meta():
         try:
@@ -182,7 +183,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     formulas = _formulas(gm, index)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)),
-                    lives_to=_lives_to(graph, holds, index, formulas), edges=_formula_reads(graph, formulas),
+                    lives_to=_lives_to(graph, holds, index, formulas, python),
+                    edges=_formula_reads(graph, list(formulas.values())),
                     size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes,
@@ -367,9 +369,10 @@ def _phase(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def _tag_grad_fns(roots: list[torch.Tensor]) -> Iterator[None]:
+def _tag_grad_fns(roots: list[torch.Tensor], python: set[int]) -> Iterator[None]:
     """Tag the ops each autograd node runs in the backward with its sequence number, which
-    the forward ops that created it carry as `seq_nr`."""
+    the forward ops that created it carry as `seq_nr`; add to `python` the sequence numbers
+    of nodes whose backward is Python's (a `torch.autograd.Function`)."""
     def enter(seq_nr: int) -> Callable:
         return lambda grad_outputs: _set_custom(grad_of=seq_nr)
 
@@ -384,6 +387,8 @@ def _tag_grad_fns(roots: list[torch.Tensor]) -> Iterator[None]:
             continue
         seen.add(fn)
         handles += [fn.register_prehook(enter(fn._sequence_nr())), fn.register_hook(leave)]
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            python.add(fn._sequence_nr())
         stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     try:
         yield
@@ -492,17 +497,21 @@ def _last_traced() -> torch.fx.Node | None:
     return None if mode is None else next(reversed(mode.tracer.graph.nodes), None)
 
 
-def _lives_to(graph: Graph, holds: dict[str, str], index: dict[str, int], formulas: list[list[int]]) -> np.ndarray:
+def _lives_to(graph: Graph, holds: dict[str, str], index: dict[str, int], formulas: dict[int, list[int]],
+              python: set[int]) -> np.ndarray:
     """`Graph.lives_to` of a traced step: what Python holds (`_python_holds`), and the
     ops each autograd node runs in the backward, whose results its C++ formula holds
     until the formula returns (its temporaries die with the statement or the function,
-    its outputs are passed on), so until the last of them (`_formulas`)."""
+    its outputs are passed on), so until the last of them (`_formulas`). A Python
+    backward (`python`) drops a temporary as soon as its expression has read it, and holds
+    a named variable until it returns: taken to be the results read more than once."""
     lives_to = np.full(graph.n, -1, dtype=np.int64)
     for name, last in holds.items():
         if name in index and last in index:
             lives_to[index[name]] = index[last]
-    for ops in formulas:
-        lives_to[ops] = np.maximum(lives_to[ops], max(ops))
+    for seq_nr, ops in formulas.items():
+        named = [v for v in ops if len(graph.succs[v]) > 1] if seq_nr in python else ops
+        lives_to[named] = np.maximum(lives_to[named], max(ops))
     return np.where(lives_to > np.arange(graph.n), lives_to, -1)
 
 
@@ -520,14 +529,15 @@ def _constants_once(gm: torch.fx.GraphModule, graph: Graph, index: dict[str, int
     return size
 
 
-def _formulas(gm: torch.fx.GraphModule, index: dict[str, int]) -> list[list[int]]:
-    """The Graph nodes (by name in `index`) of each autograd node's backward formula, in order."""
+def _formulas(gm: torch.fx.GraphModule, index: dict[str, int]) -> dict[int, list[int]]:
+    """The Graph nodes (by name in `index`) of each autograd node's backward formula, in
+    order, by the node's sequence number."""
     formulas: dict[int, list[int]] = {}
     for node in gm.graph.nodes:
         seq_nr = node.meta.get("custom", {}).get(f"{_MARK}_grad_of")
         if seq_nr is not None and node.name in index:
             formulas.setdefault(seq_nr, []).append(index[node.name])
-    return list(formulas.values())
+    return formulas
 
 
 def _formula_reads(graph: Graph, formulas: list[list[int]]) -> np.ndarray:
