@@ -440,3 +440,37 @@ def test_a_transformers_decoder_is_traced_on_the_attention_mask_branch_eager_tak
     assert any(t.startswith("bool[2, 1, 256, 256]") for t in g.tensor) == padded
     predicted = simulate(g, keep_all(g)).peak_bytes
     assert abs(measure_step(model, batch).peak_bytes - predicted) <= 0.005 * predicted
+
+
+class MaskedRows(nn.Module):
+    """Rows a boolean mask selects: how many, the data decides, at most all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h[x[:, 0] > 0]).sum()
+
+
+class RepeatedRows(nn.Module):
+    """Rows repeated as often as the data says: no bound on how many."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(torch.tanh(self.a(x)), counts, dim=0).sum()
+
+
+def test_a_size_the_data_decides_is_priced_at_its_most_or_refused_with_none():
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    assert 0 < int((x[:, 0] > 0).sum()) < 32
+    graph = extract(MaskedRows(), (x,), lambda out: out)
+    selected = [v for v in range(graph.n) if graph.ops[v] == "index.Tensor" and not graph.backward[v]]
+    assert [int(graph.size[v]) for v in selected] == [32 * 64 * 4]
+    with pytest.raises(ExtractionError, match="no upper bound"):
+        extract(RepeatedRows(), (x[:4], torch.tensor([1, 2, 3, 4])), lambda out: out)

@@ -83,18 +83,21 @@ class Gated(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention run by PyTorch's CPU flash kernel, whose forward and backward
-    allocate scratch blocks per thread; `heads_first` returns the output in (batch, head,
+    allocate scratch blocks per thread, of 32 queries in 4 sequences of 24 tokens, or of
+    64 in one of `tokens` (from 192); `heads_first` returns the output in (batch, head,
     query) order, so its gradient reaches the backward laid out otherwise than the output,
     which the backward copies."""
 
-    def __init__(self, heads_first: bool = False) -> None:
+    def __init__(self, heads_first: bool = False, tokens: int = BATCH) -> None:
         super().__init__()
-        self.qkv, self.heads_first = nn.Linear(WIDTH, 3 * WIDTH), heads_first
+        self.qkv, self.heads_first, self.tokens = nn.Linear(WIDTH, 3 * WIDTH), heads_first, tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(4, BATCH // 4, 3, 4, WIDTH // 4).unbind(2))
-        out = nn.functional.scaled_dot_product_attention(q, k, v)
-        return (out if self.heads_first else out.transpose(1, 2)).reshape(BATCH, WIDTH)
+        sequences = 4 if self.tokens == BATCH else 1
+        rows = x.repeat(self.tokens // BATCH, 1)
+        qkv = self.qkv(rows).view(sequences, self.tokens // sequences, 3, 4, WIDTH // 4)
+        out = nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv.unbind(2)))
+        return (out if self.heads_first else out.transpose(1, 2)).reshape(self.tokens, WIDTH)[:BATCH]
 
 
 class TanhGelu(torch.autograd.Function):
@@ -144,6 +147,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
     "a product's recomputed inputs held until its backward formula returns": (
         lambda: framed(Gated()), (Region("1", 0),)),
     "the flash attention kernel's scratch, its call checkpointed": (lambda: framed(Attention()), (Region("1", 0),)),
+    "the flash attention kernel's scratch in blocks of 64 queries": (
+        lambda: framed(Attention(tokens=3 * BATCH)), (Region("1", 0),)),
     "the flash attention kernel's copy of a gradient laid out otherwise": (
         lambda: framed(Attention(heads_first=True)), (Region("1", 0),)),
     "a Python backward's temporaries dropped as its expressions read them": (lambda: framed(PythonBackward()), ()),

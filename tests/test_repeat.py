@@ -83,7 +83,7 @@ def assert_same_step(copied: Traced, traced: Traced) -> None:
     for column in ("cost", "size", "backward", "alias_of", "output", "fusible", "workspace", "lives_to", "edges"):
         np.testing.assert_array_equal(getattr(a, column), getattr(b, column), err_msg=column)
     np.testing.assert_array_equal(copied.grad_of, traced.grad_of)
-    for field in ("gradients", "gradient_nodes", "calls", "random", "mutated_buffers"):
+    for field in ("gradients", "gradient_nodes", "calls", "random", "mutated_buffers", "cached_calls"):
         assert getattr(copied, field) == getattr(traced, field), field
 
 

@@ -588,3 +588,55 @@ def test_a_planned_call_handed_a_key_value_cache_runs_as_the_models_own() -> Non
         got = torch.autograd.grad(model(input_ids=ids, labels=ids, use_cache=True).loss, params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+
+class CachedAttention(nn.Module):
+    """Attention handed a key/value cache inside a tuple, appending its keys and values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor, state: tuple) -> torch.Tensor:
+        cache, i = state
+        k, v = cache.update(*self.kv(x).unsqueeze(1).chunk(2, -1), i)
+        return x + nn.functional.scaled_dot_product_attention(self.q(x).unsqueeze(1), k, v).squeeze(1)
+
+
+class CacheInATuple(nn.Module):
+    """Blocks of attention and an MLP; the model makes the cache on each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.ModuleList(CachedAttention() for _ in range(2))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache()
+        for i, (attention, mlp) in enumerate(zip(self.attention, self.mlp)):
+            x = x + mlp(attention(x, (cache, i)))
+        return x
+
+
+def test_calls_handed_a_cache_inside_a_tuple_are_left_out_of_plans_and_refused_when_priced() -> None:
+    """The attention calls are handed a cache (in a tuple): no plan checkpoints them, at
+    the least peak the other calls reach, and pricing a plan that would is refused."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, x = CacheInATuple(), torch.randn(4, 64, 16)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    params = list(model.parameters())
+    want = torch.autograd.grad(loss_fn(model(x)), params)
+    with pytest.raises(ValueError, match="attention.0 \\(call 0\\) is handed a key/value cache"):
+        optremat.price_regions(model, (x,), [Region("attention.0", 0)], loss_fn=loss_fn)
+    with pytest.raises(optremat.InfeasibleBudget) as refused:
+        optremat.plan(model, (x,), 0.1, loss_fn=loss_fn, time_limit=1, deterministic=True)
+    plan = optremat.plan(model, (x,), refused.value.smallest, loss_fn=loss_fn, time_limit=1, deterministic=True)
+    assert plan.regions and not any(region.path.startswith("attention") for region in plan.regions)
+    optremat.apply(model, plan)
+    got = torch.autograd.grad(loss_fn(model(x)), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -90,7 +90,8 @@ def solve(graph: Graph, budget: int | float | str, solver: str = "auto", time_li
 
     `auto` runs the heuristics, hands the best to CP-SAT as a hint (raising `copies` to
     what the hint uses, up to MAX_COPIES) and returns the best plan found within
-    `time_limit` (heuristics, bound and model building included), never worse than the
+    `time_limit` (heuristics, bound and model building included; with `deterministic`,
+    CP-SAT's deterministic time alone), never worse than the
     hint (a hint beyond the model's copies that still wins is returned with
     `solver_floor`'s bound alone, which holds for every plan). Every returned schedule
     has a simulated peak within budget; an impossible budget raises InfeasibleBudget

@@ -263,6 +263,10 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     missing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) not in rmap.members]
     if missing:
         raise ValueError(f"no module call {', '.join(missing)} in {type(model).__name__}'s step")
+    handed = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) in traced.cached_calls]
+    if handed:
+        raise ValueError(f"{', '.join(handed)} is handed a key/value cache, which a checkpointed rerun would write "
+                         "again: leave it out, or set use_cache=False")
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
     graph = rmap.graph

@@ -54,11 +54,19 @@ def unsupported(model: nn.Module) -> str | None:
     return _hooked(model)
 
 
+_HEAD_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
 def _hooked(model: nn.Module) -> str | None:
-    """Why hooks on `model`'s head keep it from running in chunks, or None."""
+    """Why hooks on `model`'s head, or on every module, keep the head from running in
+    chunks, or None."""
     head = model.get_output_embeddings()
-    if head._forward_hooks or head._forward_pre_hooks:
+    if any(getattr(head, name) for name in _HEAD_HOOKS):
         return f"{type(model).__name__}'s lm_head has hooks, which a head run in chunks would not call"
+    if any(getattr(nn.modules.module, name) for name in _GLOBAL_HOOKS):
+        return "a global module hook is registered, which a head run in chunks would not call on lm_head"
     return None
 
 
@@ -122,12 +130,12 @@ class HeadInChunks:
     chunks: int
 
     def __call__(self, model: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        reason = _unsupported_class(model) or (None if tracing() else _hooked(model))
+        call = _loss_call(model, args, kwargs)
+        reason = None if call is None else _unsupported_class(model) or (None if tracing() else _hooked(model))
         if reason is not None:
             warnings.warn(f"optremat: {reason}: the model's own head and loss run whole, as unplanned (the step's "
                           "memory is not the plan's)", stacklevel=3)
-        call = None if reason is not None else _loss_call(model, args, kwargs)
-        if call is None:
+        if call is None or reason is not None:
             return forward(*args, **kwargs)
         arguments, extra, labels = call
         passed = extra.pop("return_dict", None)  # as transformers' can_return_tuple reads it

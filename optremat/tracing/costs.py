@@ -12,8 +12,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx
+from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry
 
 from optremat.tracing.onednn import channels_last_convolution_backward_workspace
@@ -101,9 +103,13 @@ def concrete(value: Any) -> Any:
     if node.has_hint():
         return node.hint
     most = node.shape_env.bound_sympy(node.expr).upper
-    if not most.is_finite:
-        raise ValueError(f"a size the data decides has no bound to price it at: {node.expr}")
+    if most in (int_oo, sympy.oo) or not most.is_finite:
+        raise UnboundedSize(f"a size the data decides ({node.expr}) has no upper bound to price it at")
     return int(most) if isinstance(value, torch.SymInt) else float(most)
+
+
+class UnboundedSize(ValueError):
+    """A size the data decides with no upper bound: no memory price holds for every batch."""
 
 
 def tensor_bytes(value: Any) -> int:
@@ -155,8 +161,9 @@ def _fake_arguments(node: torch.fx.Node) -> tuple[Any, Any]:
     return torch.fx.node.map_aggregate(node.args, value), torch.fx.node.map_aggregate(node.kwargs, value)
 
 
-def workspace_bytes(node: torch.fx.Node) -> int:
-    """Temporaries a kernel allocates beyond its outputs, for the kernels known to.
+def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
+    """Temporaries a kernel allocates beyond its outputs, for the kernels known to; the
+    CPU's own kernels (flash attention's) only where the step is priced for a CPU (`cpu`).
 
     Measured on PyTorch's CPU (oneDNN) kernels: a convolution's backward holds reordered
     copies of its output gradient and its input while it runs (transposed ones too); a
@@ -186,15 +193,16 @@ def workspace_bytes(node: torch.fx.Node) -> int:
         return (3 if node.args[5] and x.dim() == 2 else 2) * x.shape[1] * x.element_size()
     if packet is aten.native_layer_norm_backward and node.args[5] is not None:
         return 2 * tensor_bytes(value(5)) if any(node.args[7][1:]) else 0
-    if packet in (aten._scaled_dot_product_flash_attention_for_cpu,
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward):
+    if cpu and packet in (aten._scaled_dot_product_flash_attention_for_cpu,
+                          aten._scaled_dot_product_flash_attention_for_cpu_backward):
         return flash_attention_cpu_workspace(node)
     return 0
 
 
 def flash_attention_cpu_workspace(node: torch.fx.Node) -> int:
     """Scratch of PyTorch's CPU flash attention (torch 2.13), measured: per thread
-    (`torch.get_num_threads()` as the step is traced), query blocks of 32 rows (64 from
+    (`torch.get_num_threads()` as the step is traced: a plan made with fewer threads than
+    the training runs with under-prices it), query blocks of 32 rows (64 from
     192 queries, 256 from 768) against key blocks of up to 512, in the accumulation dtype
     (float32 for half types): the forward holds a block of scores, two row statistics and
     a block of output; the backward two blocks of scores, one row vector, and a copy of

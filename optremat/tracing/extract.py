@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
 from optremat.tracing.chunked import DECOMPOSITIONS
-from optremat.tracing.costs import (COST_MODELS, concrete, DeviceProfile, device_profile, profile_costs, roofline_cost,
-                                    workspace_bytes)
+from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
+                                    roofline_cost, workspace_bytes)
 from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
@@ -164,14 +164,19 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     placeholder_kinds = (["param"] * len(params) + ["param"] * len(buffers)
                          + ["input"] * len(tree_leaves(inputs)) + ["input"] * len(grad_outputs))
     param_names = list(params) + list(buffers)
-    costs = _costs(gm, args, cost_model, device_profile(device))
+    profile = device_profile(device)
     results = tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
     # make_fx lists placeholders first, but constants (get_attr) can come later: hoist them.
     fx_nodes.sort(key=lambda n: 0 if n.op in ("placeholder", "get_attr") else 1)
-    graph = to_graph(fx_nodes, placeholder_kinds, param_names, costs, results,
-                     lambda node: node.meta.get("custom", {}).get(f"{_MARK}_phase") == "backward",
-                     accumulated_in_place(gm))
+    try:
+        costs = _costs(gm, args, cost_model, profile)
+        graph = to_graph(fx_nodes, placeholder_kinds, param_names, costs, results,
+                         lambda node: node.meta.get("custom", {}).get(f"{_MARK}_phase") == "backward",
+                         accumulated_in_place(gm), cpu=profile.name == "cpu")
+    except UnboundedSize as error:
+        raise ExtractionError(f"{type(model).__name__}'s step cannot be priced: {error}, so no memory price "
+                              "holds for every batch") from None
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes = [by_name[name] for name in graph.names]
     calls = tuple(_call_stack(node) if kind == "op" and not backward else ()
@@ -673,14 +678,15 @@ def tensor_type(value: Any) -> str:
 
 def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_names: list[str],
              costs: dict[str, float], results: list[Any], is_backward: Callable[[torch.fx.Node], bool],
-             written_into: dict[torch.fx.Node, torch.fx.Node] | None = None) -> Graph:
+             written_into: dict[torch.fx.Node, torch.fx.Node] | None = None, *, cpu: bool = True) -> Graph:
     """The Graph of a traced step's fx nodes, listed in a topological order with the
     placeholders and constants first: `placeholder_kinds` ("param", "input", or "op" for
     a placeholder computed within the step) and `param_names` (for the module a parameter
     belongs to) in placeholder order, each op's cost by node name, the nodes that must
     survive the step (`results`), and which nodes run in the backward. Sizes and aliases
     come from the fake tensors in `node.meta["val"]`, but for the ops `written_into` maps
-    to the input they run in place over (`accumulated_in_place`)."""
+    to the input they run in place over (`accumulated_in_place`); `cpu` prices the CPU's
+    own kernels' scratch (`costs.workspace_bytes`)."""
     written_into = written_into or {}
     index = {n: i for i, n in enumerate(fx_nodes)}
     owner: dict[StorageWeakRef, int] = {}
@@ -740,7 +746,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
         cols["module"].append(module)
         cols["alias_of"].append(alias_of)
         cols["fusible"].append(alias_of >= 0 or _pointwise(target))
-        cols["workspace"].append(workspace_bytes(node) if node.op == "call_function" else 0)
+        cols["workspace"].append(workspace_bytes(node, cpu) if node.op == "call_function" else 0)
         cols["tensor"].append(tensor_type(value))
     output = [False] * len(fx_nodes)
     for node in results:

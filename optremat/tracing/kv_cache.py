@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 def is_cache(value: Any) -> bool:
@@ -24,8 +25,9 @@ def is_cache(value: Any) -> bool:
 
 
 def receives_cache(args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether a call with these arguments is handed a transformers key/value cache."""
-    return any(is_cache(value) for value in (*args, *kwargs.values()))
+    """Whether a call with these arguments is handed a transformers key/value cache, at
+    any depth of the tuples, lists and dicts it is passed."""
+    return any(is_cache(value) for value in tree_leaves((args, kwargs), is_leaf=is_cache))
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:

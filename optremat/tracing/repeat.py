@@ -279,8 +279,6 @@ def expanded(traced: Traced, short: nn.Module, model: nn.Module, path: str, n: i
     """The step of `model`, whose `n` blocks at `path` are alike, from `traced`, the step of
     `short` (`shortened(model, path)`). Raises NotAlike where the short step's second and
     third blocks do not repeat as the copies need."""
-    if traced.cached_calls:
-        raise NotAlike("calls are handed a key/value cache")
     names = [*dict(short.named_parameters()), *dict(short.named_buffers())]
     layout = _layout(traced, names, path)
     if _signature(traced, layout, 1, path) != _signature(traced, layout, 2, path):
@@ -298,6 +296,9 @@ def expanded(traced: Traced, short: nn.Module, model: nn.Module, path: str, n: i
     return replace(traced, graph=graph, grad_of=copies.column(traced.grad_of),
                    gradients=tuple(name for name, _ in kept), gradient_nodes=tuple(k for _, k in kept),
                    calls=tuple(copies.calls(traced.calls[v], j) for v, j in copies.order),
+                   cached_calls=frozenset(renamed for v, j in copies.order
+                                          for renamed, call in zip(copies.calls(traced.calls[v], j), traced.calls[v])
+                                          if call in traced.cached_calls),
                    random=tuple(traced.random[v] for v, _ in copies.order), mutated_buffers=mutated)
 
 
