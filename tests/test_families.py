@@ -1,5 +1,5 @@
 """Model families nobody tuned for, from small transformers configs: an encoder-decoder
-(T5), encoders (BERT classifying sequences, ELECTRA), a vision transformer (ViT), convnets
+(T5), encoders (BERT and DistilBERT classifying sequences, ELECTRA), a vision transformer (ViT), convnets
 (ResNet, ConvNeXt) and mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, in float32 and
 bfloat16), each planned on a dict batch with labels (the model's own loss), applied, and
 checked against the unplanned model: the same loss and gradients, bitwise, and a measured
@@ -68,6 +68,19 @@ def electra() -> tuple[nn.Module, Batch]:
                                                         "labels": torch.randint(0, 2, (2, 32))}
 
 
+def distilbert() -> tuple[nn.Module, Batch]:
+    """DistilBERT classifying padded sequences, with dropout: its attention's reshaped
+    projections are held by the forward's variables, in a checkpointed rerun too."""
+    config = transformers.DistilBertConfig(vocab_size=200, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                           max_position_embeddings=64, dropout=0.1, attention_dropout=0.1,
+                                           seq_classif_dropout=0.2, num_labels=3)
+    ids = torch.randint(3, 200, (2, 32))
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    return transformers.DistilBertForSequenceClassification(config), {"input_ids": ids, "attention_mask": mask,
+                                                                      "labels": torch.tensor([0, 2])}
+
+
 def vit() -> tuple[nn.Module, Batch]:
     config = transformers.ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=3,
                                     num_attention_heads=4, intermediate_size=256, num_labels=10)
@@ -123,11 +136,10 @@ def own_loss_step(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torc
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float | int,
-                                peaks: bool = True) -> optremat.Plan:
+def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], budget: float | int) -> optremat.Plan:
     """Plan the family at `budget` and apply it: loss and gradients equal the unplanned
-    step's bitwise; with `peaks`, the planned step's measured peak is within 5% of the
-    prediction and at most 2% over the budget."""
+    step's bitwise; the planned step's measured peak is within 5% of the prediction and at
+    most 2% over the budget."""
     torch.manual_seed(0)
     model, batch = build()
     model.train()
@@ -143,8 +155,6 @@ def plans_exactly_within_budget(build: Callable[[], tuple[nn.Module, Batch]], bu
     assert got[1].keys() == want[1].keys()
     for name, grad in want[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
-    if not peaks:
-        return plan
     measured = measure_step(model, batch).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
     assert measured <= 1.02 * plan.budget_bytes, (measured, plan.summary())
@@ -173,14 +183,22 @@ def test_an_encoder_bert_classifying_sequences_plans_exactly_within_its_budget()
     plans_exactly_within_budget(bert, 0.7)
 
 
-def test_an_electra_whose_loss_selects_tokens_by_a_mask_plans_and_trains_as_unplanned() -> None:
-    plans_exactly_within_budget(electra, 0.7, peaks=False)
-
-
-@pytest.mark.xfail(strict=True, reason="known gap: a rerun of attention with dropout (the math kernel) holds a few "
-                                       "more activations than priced; measured 3.5% over the budget")
-def test_an_electras_planned_peak_is_within_its_budget() -> None:
+def test_an_electra_whose_loss_selects_tokens_by_a_mask_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(electra, 0.7)
+
+
+def test_a_distilbert_plans_exactly_within_its_budget() -> None:
+    plans_exactly_within_budget(distilbert, 0.8)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: at its least peak DistilBERT measures 2.45% over the budget "
+                                       "(342,728 against 334,532 bytes); the cause is not found")
+def test_a_distilbert_plans_exactly_at_the_least_peak_a_refusal_names() -> None:
+    torch.manual_seed(0)
+    model, batch = distilbert()
+    with pytest.raises(optremat.InfeasibleBudget) as refused:
+        optremat.plan(model.train(), batch, 0.5, time_limit=0.3, deterministic=True)
+    plans_exactly_within_budget(distilbert, refused.value.smallest)
 
 
 def test_a_vision_transformer_plans_exactly_within_its_budget() -> None:

@@ -125,6 +125,20 @@ class PythonBackward(nn.Module):
         return self.down(TanhGelu.apply(self.up(x)))
 
 
+class Heads(nn.Module):
+    """A projection's result reshaped into heads and kept in a variable, as attention
+    keeps its queries: the variable holds it until the forward returns, in a rerun too,
+    though the scaled copy is all the rest reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.proj(x).view(BATCH, 4, WIDTH)
+        return self.out(torch.tanh(heads * 0.5).view(BATCH, 4 * WIDTH))
+
+
 def framed(*blocks: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, WIDTH), *blocks, nn.Linear(WIDTH, 4)).double()
@@ -152,6 +166,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
     "the flash attention kernel's copy of a gradient laid out otherwise": (
         lambda: framed(Attention(heads_first=True)), (Region("1", 0),)),
     "a Python backward's temporaries dropped as its expressions read them": (lambda: framed(PythonBackward()), ()),
+    "a call's result held by the caller's variable through its views, in its rerun too": (
+        lambda: framed(Heads()), (Region("1", 0),)),
     "a tuple's halves held while the caller runs, in its rerun too": (
         lambda: framed(nn.Sequential(Unpacking(), nn.Tanh())), (Region("1", 0),)),
 }

@@ -66,8 +66,10 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     chain of identical blocks is first solved once per block and composed (`_composed`):
     that plan, within COMPOSED_GAP of its bound, is the plan; otherwise it is one more seed,
     and when it wins, the better of its bound and the search's is the plan's. A budget
-    under the step's `peak_floor` is refused without searching for a plan that fits,
-    naming the least peak found in the time; so is one that neither the composition of a
+    none of those fits runs the least-peak search, whose plan is the plan where it fits
+    (the search under the budget can miss it in its time), else the error names its peak.
+    A budget under the step's `peak_floor` is refused without searching for a plan that
+    fits, naming the least peak found in the time; so is one that neither the composition of a
     chain of COMPOSED_BLOCKS blocks nor any seed fits (at that size the search over every
     region set finds nothing in minutes)."""
     graph = rmap.graph
@@ -100,11 +102,14 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
                           deterministic=deterministic, hint=hint)
     candidates += [exact.priced] if exact.priced is not None else []
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
-    if not fitting:
-        raise _infeasible(rmap, budget_bytes, candidates, solver, _left(time_limit, composing, deterministic),
-                          workers, seed, deterministic, floor)
-    bound = exact.bound if exact.bound is not None else total + solver_floor(graph, budget_bytes, searching,
-                                                                            share=False)
+    if not fitting:  # the least-peak search may find a plan the search under the budget missed in its time
+        least, proven = least_peak(rmap, rmap.candidates(), _left(time_limit, composing, deterministic),
+                                   workers=workers, seed=seed, deterministic=deterministic)
+        if least.result.peak_bytes > budget_bytes:
+            raise _infeasible(budget_bytes, candidates, least, proven, solver, floor)
+        fitting = [least]
+    bound = (exact.bound if exact.bound is not None and math.isfinite(exact.bound)
+             else total + solver_floor(graph, budget_bytes, searching, share=False))
     best: Priced = min(fitting, key=lambda c: c.cost)
     scoped = (composed is not None and best is composed.result.priced and not exact.optimal
               and math.isfinite(composed.result.bound)
@@ -167,12 +172,11 @@ def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, boun
                 solver_overhead=best.overhead if solver_overhead is None else solver_overhead)
 
 
-def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], solver: str, time_limit: float,
-                workers: int, seed: int, deterministic: bool, floor: int) -> InfeasibleBudget:
+def _infeasible(budget_bytes: int, candidates: list[Priced], least: Priced, proven: bool, solver: str,
+                floor: int) -> InfeasibleBudget:
     """The error for a budget no region plan fits, naming the least peak of any region
-    plan (proven when the search ends, or when it meets `floor`)."""
-    least, proven = least_peak(rmap, rmap.candidates(), time_limit, workers=workers, seed=seed,
-                               deterministic=deterministic)
+    plan: of `candidates` and `least`, the least-peak search's plan (proven when that
+    search ended, or when it meets `floor`)."""
     smallest = min([c.result.peak_bytes for c in candidates] + [least.result.peak_bytes])
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime",
                             proven=(proven and smallest == least.result.peak_bytes) or smallest == floor,
@@ -187,7 +191,9 @@ def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, sol
     takes longer to build than a usual time limit)."""
     seeds = whole_calls(rmap)
     if not seeds or not long:
-        return _infeasible(rmap, budget_bytes, seeds, solver, time_limit, workers, seed, deterministic, floor)
+        least, proven = least_peak(rmap, rmap.candidates(), time_limit, workers=workers, seed=seed,
+                                   deterministic=deterministic)
+        return _infeasible(budget_bytes, seeds, least, proven, solver, floor)
     return _refused(seeds, budget_bytes, solver, floor)
 
 

@@ -188,7 +188,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     formulas = _formulas(gm, index)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)),
-                    lives_to=_lives_to(graph, holds, index, formulas, python),
+                    lives_to=np.maximum(_lives_to(graph, holds, index, formulas, python),
+                                        _viewed_returns(graph, calls)),
                     edges=_formula_reads(graph, list(formulas.values())),
                     size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
@@ -518,6 +519,27 @@ def _lives_to(graph: Graph, holds: dict[str, str], index: dict[str, int], formul
         named = [v for v in ops if len(graph.succs[v]) > 1] if seq_nr in python else ops
         lives_to[named] = np.maximum(lives_to[named], max(ops))
     return np.where(lives_to > np.arange(graph.n), lives_to, -1)
+
+
+def _viewed_returns(graph: Graph, calls: tuple[tuple[tuple[str, int], ...], ...]) -> np.ndarray:
+    """Per node, the last node its caller runs where a module call's result is read in the
+    caller's own code only by views (`q = self.q_proj(x).view(...).transpose(1, 2)`): a
+    Python variable of the caller then holds it until the caller returns, past the last
+    op reading it (-1 elsewhere)."""
+    last: dict[tuple[str, int], int] = {}
+    for v, stack in enumerate(calls):
+        for call in stack:
+            last[call] = v
+    held = np.full(graph.n, -1, dtype=np.int64)
+    for u, stack in enumerate(calls):
+        if len(stack) < 2 or graph.kind[u] != "op" or graph.backward[u]:
+            continue
+        call, caller = stack[-1], stack[-2]
+        readers = [w for w in graph.succs[u].tolist() if not graph.backward[w] and call not in calls[w]]
+        own = [w for w in readers if calls[w] and calls[w][-1] == caller]
+        if own and all(graph.alias_of[w] == u for w in own):
+            held[u] = last[caller]
+    return held
 
 
 def _constants_once(gm: torch.fx.GraphModule, graph: Graph, index: dict[str, int], real: list) -> np.ndarray:
