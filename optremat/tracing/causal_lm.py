@@ -31,6 +31,7 @@ import torch.nn as nn
 from optremat.tracing.extract import tracing
 from optremat.tracing.inputs import call_of
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss, check_chunks
+from optremat.tracing.repeat import MODULE_HOOKS
 
 FORWARDS = {"GPT2LMHeadModel": None, "LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": None,
             "Qwen3ForCausalLM": None, "GemmaForCausalLM": None, "Gemma2ForCausalLM": "final_logit_softcapping"}
@@ -54,7 +55,6 @@ def unsupported(model: nn.Module) -> str | None:
     return _hooked(model)
 
 
-_HEAD_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 
@@ -63,7 +63,7 @@ def _hooked(model: nn.Module) -> str | None:
     """Why hooks on `model`'s head, or on every module, keep the head from running in
     chunks, or None."""
     head = model.get_output_embeddings()
-    if any(getattr(head, name) for name in _HEAD_HOOKS):
+    if any(getattr(head, name) for name in MODULE_HOOKS):
         return f"{type(model).__name__}'s lm_head has hooks, which a head run in chunks would not call"
     if any(getattr(nn.modules.module, name) for name in _GLOBAL_HOOKS):
         return "a global module hook is registered, which a head run in chunks would not call on lm_head"

@@ -17,7 +17,7 @@ import re
 import threading
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -188,9 +188,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     formulas = _formulas(gm, index)
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)),
-                    lives_to=np.maximum(_lives_to(graph, holds, index, formulas, python),
-                                        _viewed_returns(graph, calls)),
-                    edges=_formula_reads(graph, list(formulas.values())),
+                    lives_to=_lives_to(graph, holds, index, formulas, python, calls),
+                    edges=_formula_reads(graph, formulas.values()),
                     size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes,
@@ -504,17 +503,18 @@ def _last_traced() -> torch.fx.Node | None:
 
 
 def _lives_to(graph: Graph, holds: dict[str, str], index: dict[str, int], formulas: dict[int, list[int]],
-              python: set[int]) -> np.ndarray:
-    """`Graph.lives_to` of a traced step: what Python holds (`_python_holds`), and the
-    ops each autograd node runs in the backward, whose results its C++ formula holds
+              python: set[int], calls: tuple[tuple[tuple[str, int], ...], ...]) -> np.ndarray:
+    """`Graph.lives_to` of a traced step: what Python holds (`_python_holds`, and the
+    variables `_viewed_returns` finds), and the ops each autograd node runs in the
+    backward, whose results its C++ formula holds
     until the formula returns (its temporaries die with the statement or the function,
     its outputs are passed on), so until the last of them (`_formulas`). A Python
     backward (`python`) drops a temporary as soon as its expression has read it, and holds
     a named variable until it returns: taken to be the results read more than once."""
-    lives_to = np.full(graph.n, -1, dtype=np.int64)
+    lives_to = _viewed_returns(graph, calls)
     for name, last in holds.items():
         if name in index and last in index:
-            lives_to[index[name]] = index[last]
+            lives_to[index[name]] = max(lives_to[index[name]], index[last])
     for seq_nr, ops in formulas.items():
         named = [v for v in ops if len(graph.succs[v]) > 1] if seq_nr in python else ops
         lives_to[named] = np.maximum(lives_to[named], max(ops))
@@ -567,7 +567,7 @@ def _formulas(gm: torch.fx.GraphModule, index: dict[str, int]) -> dict[int, list
     return formulas
 
 
-def _formula_reads(graph: Graph, formulas: list[list[int]]) -> np.ndarray:
+def _formula_reads(graph: Graph, formulas: Iterable[list[int]]) -> np.ndarray:
     """`graph`'s edges, and one from each input of a backward formula to the formula's last
     op: the engine holds what an autograd node saved, and the gradient it was passed,
     until the node's whole formula has returned, whichever computation of a tensor it read

@@ -44,7 +44,8 @@ MIN_BLOCKS = 6
 KEPT = 4
 """Blocks the shortened model keeps: the first three and the last."""
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+"""The attributes in which a module keeps its hooks."""
 _HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
 LOOPS = frozenset({
@@ -112,12 +113,12 @@ def hooks_kept(model: nn.Module) -> Iterator[None]:
     it ends: transformers installs its output-capturing hooks on the modules of the first
     model object it runs and marks that object, so a trace of a copy would leave the
     model itself to install them a second time."""
-    before = {id(m): {h: set(getattr(m, h, {})) for h in _HOOKS} for m in model.modules()}
+    before = {id(m): {h: set(getattr(m, h, {})) for h in MODULE_HOOKS} for m in model.modules()}
     try:
         yield
     finally:
         for m in model.modules():
-            for h in _HOOKS:
+            for h in MODULE_HOOKS:
                 hooks = getattr(m, h, {})
                 for key in set(hooks) - before.get(id(m), {}).get(h, set()):
                     del hooks[key]
@@ -144,7 +145,8 @@ def alike(blocks: list[nn.Module]) -> bool:
 
 def _facts(block: nn.Module) -> tuple[tuple, tuple]:
     """What must match between blocks, and their plain attributes by module and name."""
-    modules = tuple((name, type(m), tuple(len(getattr(m, h, ())) for h in _HOOKS)) for name, m in block.named_modules())
+    modules = tuple((name, type(m), tuple(len(getattr(m, h, ())) for h in MODULE_HOOKS))
+                    for name, m in block.named_modules())
     tensors = tuple((name, tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
                     for name, t in [*block.named_parameters(), *block.named_buffers()])
     attributes = tuple((name, k, _hashable(v)) for name, m in block.named_modules() for k, v in sorted(vars(m).items())
