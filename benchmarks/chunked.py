@@ -115,9 +115,10 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
                 return step()
         return run
 
-    peers = {"per-block checkpoint": ("whole", per_block(step_of(whole))),
-             "per-block checkpoint + F.linear_cross_entropy": (
-                 "LinearCrossEntropyOptions()", per_block(step_of(torch_chunked(model.head, labels))))}
+    peers = {"per-block checkpoint": ("whole", per_block(step_of(whole)))}
+    if hasattr(F, "linear_cross_entropy"):  # PyTorch 2.13 on
+        peers["per-block checkpoint + F.linear_cross_entropy"] = (
+            "LinearCrossEntropyOptions()", per_block(step_of(torch_chunked(model.head, labels))))
     if torch_budget is not None:
         forward = torch.compile(lambda ids: whole(model(ids)), backend=torch_budget_backend(torch_budget))
         peers[f"PyTorch activation_memory_budget {torch_budget:g} (torch.compile)"] = (

@@ -7,7 +7,8 @@ heads, batch 4) returning its final hidden states, its loss `optremat.CausalLMLo
 its tied head, on one CUDA device, in bfloat16 and in float32, with the rows of
 `benchmarks.chunked`: the unplanned step with the whole head; per-block checkpointing
 (non-reentrant `torch.utils.checkpoint` around every block) with the whole head, and with
-the head and loss in PyTorch's `F.linear_cross_entropy` under its default options;
+the head and loss in PyTorch's `F.linear_cross_entropy` under its default options (where
+this PyTorch has it);
 optremat planned with `chunks="auto"` at both per-block peaks measured (where no plan is
 predicted to fit one, at the least peak found) and at 70% and 50% of the first; above each table, the least peak of any region plan with the whole
 head and with the chunks priced. Peaks come from the CUDA allocator, step times from

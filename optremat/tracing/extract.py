@@ -499,7 +499,7 @@ def _traced_nodes(value: Any) -> list[torch.fx.Node]:
 def _last_traced() -> torch.fx.Node | None:
     """The node the trace under way recorded last."""
     mode = get_proxy_mode()
-    return None if mode is None else next(reversed(mode.tracer.graph.nodes), None)
+    return None if mode is None else next(iter(reversed(mode.tracer.graph.nodes)), None)
 
 
 def _lives_to(graph: Graph, holds: dict[str, str], index: dict[str, int], formulas: dict[int, list[int]],
