@@ -29,7 +29,7 @@ from optremat.compiler.partition import partition, writable
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.schedule import from_kept, keep_all, recompute_all, simulate
 from optremat.core.synthetic import training_chain
-from optremat.models import GPT, CrossEntropy, build
+from optremat.models import GPT, CrossEntropy, HiddenGPT, build
 from optremat.planning.ops import kept_plan
 from optremat.runtime.measure import measure_peak
 from optremat.tracing.costs import device_profile
@@ -559,3 +559,51 @@ def test_a_compiled_plan_summarizes_and_is_not_applied_eagerly() -> None:
     assert "torch.compile" in plan.summary() and "cross-entropy" in plan.summary()
     with pytest.raises(ValueError, match="compile_backend"):
         optremat.apply(example.model, plan)
+
+
+def lm_head_example(chunks: int | str | None) -> tuple[torch.nn.Module, tuple, optremat.CausalLMLoss, list]:
+    """A GPT returning its hidden states, the loss over its tied head run eagerly on the
+    compiled model's output, and what the step holds resident (the labels too)."""
+    torch.manual_seed(0)
+    model = HiddenGPT(vocab=2048, seq=64, dim=32, layers=2, heads=2)
+    idx, labels = torch.randint(0, 2048, (2, 4, 64))
+    return model, (idx,), optremat.CausalLMLoss(model.head, labels, chunks=chunks), [
+        list(model.parameters()), idx, labels]
+
+
+@pytest.mark.parametrize("chunks", [None, 4])
+def test_a_loss_run_between_the_compiled_passes_is_priced_as_it_runs(chunks: int | None) -> None:
+    """The loss over an LM head tied to the compiled embedding, whole or in chunks: its
+    peak, its cost and its gradient of the head's weight, which autograd holds from the
+    loss's end to the step's, are priced as eager runs them (the transposed weight a
+    view, not a copy)."""
+    model, inputs, loss_fn, resident = lm_head_example(chunks)
+    backend = optremat.compile_backend(0.9, inner="aot_eager", solver="dtr", loss_fn=loss_fn)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    assert_same_step(step(model, inputs, loss_fn), step(compiled, inputs, loss_fn))
+    measured = measure_peak(lambda: step(compiled, inputs, loss_fn), resident=resident).peak_bytes
+    plan = backend.plans[0]
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+    assert plan.graph.cost[plan.graph.names.index("optremat_loss")] > 0
+
+
+def test_compiling_chooses_the_lm_head_chunks_with_the_plan() -> None:
+    """With the loss's chunks left to the plan, compiling prices the head whole and in
+    each count of chunks and runs the loss in the count chosen: under a budget no plan
+    with the whole head fits, the step fits in chunks and computes eager's gradients."""
+    model, inputs, loss_fn, resident = lm_head_example("auto")
+    whole = optremat.CausalLMLoss(model.head, loss_fn.labels, chunks=None)
+    expected = step(model, inputs, whole)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="InfeasibleBudget"):
+        step(torch.compile(model, backend=optremat.compile_backend(0.4, inner="aot_eager", solver="dtr",
+                                                                   loss_fn=whole), dynamic=False), inputs, whole)
+    torch._dynamo.reset()
+    backend = optremat.compile_backend(0.4, inner="aot_eager", solver="dtr", loss_fn=loss_fn)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    assert_same_step(expected, step(compiled, inputs, loss_fn))
+    plan = backend.plans[0]
+    assert plan.chunking.chunks is not None and loss_fn.running_chunks() == plan.chunking.chunks
+    assert plan.chunking.tried == (None, 2, 4, 8, 16) and "token chunks" in plan.summary()
+    measured = measure_peak(lambda: step(compiled, inputs, loss_fn), resident=resident).peak_bytes
+    assert measured <= 1.02 * plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes

@@ -406,7 +406,7 @@ def test_the_assumed_loss_prices_a_causal_lm_loss_written_after_the_model():
     cross-entropy."""
     import torch.nn.functional as F
 
-    from optremat.tracing.extract import assumed_loss, output_loss_bytes
+    from optremat.tracing.extract import assumed_loss, output_loss_price
 
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.empty(4, 32, 512, dtype=dtype, requires_grad=True)
@@ -415,10 +415,10 @@ def test_the_assumed_loss_prices_a_causal_lm_loss_written_after_the_model():
         def shifted(out: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(out[:, :-1].reshape(-1, 512).float(), ids[:, 1:].reshape(-1))
 
-        assert abs(output_loss_bytes(logits, assumed_loss) - output_loss_bytes(logits, shifted)) <= ids.nbytes
+        assert abs(output_loss_price(logits, assumed_loss).bytes - output_loss_price(logits, shifted).bytes) <= ids.nbytes
     scores = torch.empty(64, 10, requires_grad=True)
-    plain = output_loss_bytes(scores, lambda out: F.cross_entropy(out, torch.zeros(64, dtype=torch.long)))
-    assert output_loss_bytes(scores, assumed_loss) == plain
+    plain = output_loss_price(scores, lambda out: F.cross_entropy(out, torch.zeros(64, dtype=torch.long)))
+    assert output_loss_price(scores, assumed_loss) == plain
 
 
 @pytest.mark.parametrize("padded", [False, True])

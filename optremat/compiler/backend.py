@@ -36,11 +36,13 @@ from optremat.core.schedule import Schedule, kept_for_backward, simulate, withou
 from optremat.core.solution import FEASIBLE, OPTIMAL
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
+from optremat.planning.chunking import choices, solve_chunked
 from optremat.planning.ops import ATTEMPTS, kept_plan, least_plan, plan_step
 from optremat.planning.result import Plan
 from optremat.tracing.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
 from optremat.tracing.extract import depending_on
 from optremat.tracing.fingerprint import package_version
+from optremat.tracing.lm_loss import AUTO, CausalLMLoss, install
 
 INNER = ("inductor", "aot_eager")
 ORDERS = ("traced", "best")
@@ -79,11 +81,22 @@ class Partitioner(CustomPartitionerFn):
             gm.graph = fx_graph_cse(gm.graph)
         gm.recompile()
         profile = self._profile(joint_inputs)
-        step = read_joint(gm, num_fwd_outputs, list(kwargs.get("static_lifetime_input_indices") or []), profile,
-                          self.loss_fn, self.cost_model)
-        if self.inline:
-            step = inductor_step(step, profile)
-        found = self._plan(step, profile, lambda graph: torch_keep_sets(gm, joint_inputs, kwargs, graph))
+        static = list(kwargs.get("static_lifetime_input_indices") or [])
+
+        def read(loss_fn: Callable[[Any], torch.Tensor] | None) -> JointStep:
+            step = read_joint(gm, num_fwd_outputs, static, profile, loss_fn, self.cost_model)
+            return inductor_step(step, profile) if self.inline else step
+
+        lm = self.loss_fn if isinstance(self.loss_fn, CausalLMLoss) and self.loss_fn.chunks == AUTO else None
+        step = read(self.loss_fn if lm is None else lm.with_chunks(None))
+
+        def rivals(graph: Graph) -> dict[float, np.ndarray]:
+            return torch_keep_sets(gm, joint_inputs, kwargs, graph)
+
+        if lm is None or LOSS not in step.graph.names:
+            found = self._plan(step, profile, rivals, resolve_budget(step.graph, self.budget), self.time_limit)
+        else:
+            step, found = self._chunked(lm, step, read, profile, rivals)
         self.plans.append(found)
         return partition(gm, step, found.graph, found.schedule, num_fwd_outputs, dict(found.shared))
 
@@ -99,31 +112,54 @@ class Partitioner(CustomPartitionerFn):
         devices = [t.device for t in joint_inputs if isinstance(t, torch.Tensor)]
         return device_profile(profile_for(devices[0]) if devices else "cpu")
 
-    def _plan(self, step: JointStep, profile: DeviceProfile, rivals: Rivals) -> Plan:
-        """The plan for `step`: from the plan cache when it holds one for this graph and
-        budget, else solved."""
+    def _chunked(self, lm: CausalLMLoss, whole: JointStep, read: Callable[[CausalLMLoss], JointStep],
+                 profile: DeviceProfile, rivals: Rivals) -> tuple[JointStep, Plan]:
+        """The step and plan when the loss run between the compiled forward and backward is
+        a causal LM's head and loss left to the plan (`lm`, `chunks="auto"`): the step is
+        read with the loss whole and in each count of token chunks `choices` allows, each
+        planned (`solve_chunked`, the budget a fraction of the whole head's step), the
+        cheapest that fits kept, and its count installed where `lm` and every other "auto"
+        loss over the same head find it (`lm_loss.install`)."""
+        steps = {None: whole}
+
+        def step_for(chunks: int) -> JointStep:
+            steps[chunks] = read(lm.with_chunks(chunks))
+            return steps[chunks]
+
+        budget_bytes = resolve_budget(whole.graph, self.budget)
+        head = repr(lm.head) if isinstance(lm.head, torch.nn.Module) else f"weight {list(lm.head.shape)}"
+        found = solve_chunked(whole, step_for, choices(lm.tokens()), head, budget_bytes,
+                              lambda step, limit: self._plan(step, profile, rivals, budget_bytes, limit),
+                              self.time_limit)
+        install(lm.weights(substituted=False)[0], found.chunking.chunks)
+        return steps[found.chunking.chunks], found
+
+    def _plan(self, step: JointStep, profile: DeviceProfile, rivals: Rivals, budget_bytes: int,
+              time_limit: float) -> Plan:
+        """The plan for `step` under `budget_bytes`: from the plan cache when it holds one
+        for this graph and budget, else solved in `time_limit` seconds."""
         graph = step.graph
-        budget_bytes = resolve_budget(graph, self.budget)
         prices = dict(graph=graph.fingerprint, solver=self.solver, device=profile, runtime="compiled",
                       share=self.share, inline=self.inline, order=self.order, cost_model=self.cost_model,
                       rivals=RIVALS, version=package_version())
         book = (PlanCache.key(costs=hashlib.sha256(graph.cost.tobytes()).hexdigest(), **prices)
                 if self.solver == "auto" and not self.deterministic else None)
         if self.cache is None:
-            return self._solve(step, budget_bytes, rivals, book)
+            return self._solve(step, budget_bytes, rivals, book, time_limit)
         store = PlanCache(self.cache)
         key = store.key(budget=budget_bytes, seed=self.seed, deterministic=self.deterministic, **prices)
         with store.locked(key):
-            hit = store.get(key, self.time_limit, Plan.from_json)
+            hit = store.get(key, time_limit, Plan.from_json)
             if hit is not None:
                 if book is not None:
                     remember(book, hit)
                 return replace(hit, cached=True)
-            found = self._solve(step, budget_bytes, rivals, book)
-            store.put(key, found.to_json(), self.time_limit)
+            found = self._solve(step, budget_bytes, rivals, book, time_limit)
+            store.put(key, found.to_json(), time_limit)
             return found
 
-    def _solve(self, step: JointStep, budget_bytes: int, rivals: Rivals, book: str | None) -> Plan:
+    def _solve(self, step: JointStep, budget_bytes: int, rivals: Rivals, book: str | None, time_limit: float
+               ) -> Plan:
         """The solver's plan priced as compiled (`_solved`). With solver "auto", the
         cheapest plan that fits wins among it, PyTorch's own partitions of the graph
         (`rivals`, each priced as compiled) and the plans found for the same graph at
@@ -144,7 +180,7 @@ class Partitioner(CustomPartitionerFn):
             competing = pool.submit(self._rivals, step, graph, rivals) if self.solver == "auto" else None
             filling = None if competing is None else pool.submit(
                 lambda: self._fitting(step, competing.result() + found_before, budget_bytes))
-            solved = self._solved(step, graph, budget_bytes, started)
+            solved = self._solved(step, graph, budget_bytes, started, time_limit)
             fitting = self._fitting(step, [solved], budget_bytes) + ([] if filling is None else filling.result())
         others = ([] if competing is None else competing.result()) + found_before
         if fitting:
@@ -170,13 +206,14 @@ class Partitioner(CustomPartitionerFn):
         return [self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
                 for fraction, kept in rivals(graph).items()]
 
-    def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float) -> Plan | None:
+    def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float, time_limit: float
+                ) -> Plan | None:
         """optremat's own plan, priced as compiled; when that peaks over the budget, solved
         again with the budget reduced by the excess. None when no solve fits."""
         target = budget_bytes
         for _ in range(ATTEMPTS):
             try:
-                found = plan_step(graph, target, solver=self.solver, time_limit=self.time_limit,
+                found = plan_step(graph, target, solver=self.solver, time_limit=time_limit,
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,
                                   started=started, share=self.share)
             except InfeasibleBudget:
@@ -300,7 +337,10 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     cross-entropy over the largest output's last dimension when not given: it is called
     on the compiled graph's outputs that take a gradient, a tensor when there is one (the
     logits), else a list of them, since the model's output structure is not part of the
-    graph). `inner` is "inductor" or "aot_eager" (under which pointwise ops also write
+    graph). A `loss_fn` that is an `optremat.CausalLMLoss` with `chunks="auto"`, run on the
+    compiled model's hidden states, has its token chunks chosen with the plan (`_chunked`)
+    and runs in them; a fractional budget is then of the step with the whole head.
+    `inner` is "inductor" or "aot_eager" (under which pointwise ops also write
     over inputs they are the last to read, wherever the graphs can); `solver`,
     `time_limit`, `deterministic`, `seed` and `workers` are `plan()`'s; `cache`, a
     directory, keeps plans across processes, so the second compile of the same graph

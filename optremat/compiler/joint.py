@@ -32,8 +32,8 @@ from torch.utils._pytree import arg_tree_leaves
 from optremat.core.graph import Graph
 from optremat.runtime.ops import is_random
 from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost
-from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, assumed_loss, mutated_inputs, output_loss_bytes,
-                                      to_graph)
+from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, LossPrice, assumed_loss, mutated_inputs,
+                                      output_loss_price, to_graph)
 
 LOSS = "optremat_loss"
 """The name of the Graph node that stands for the loss."""
@@ -51,11 +51,14 @@ class JointStep:
     the update, which a recomputation drops, so they may run again.
 
     `graph` also holds a node for the loss (named `LOSS`, with no fx node): it reads the
-    outputs handed to the user and holds the loss's memory as its workspace; the outputs'
+    outputs handed to the user, holds the loss's memory as its workspace and costs what
+    its forward and backward do (so a step whose loss runs in chunks is priced as it
+    runs); the outputs'
     gradients (the `tangents_*` placeholders) are computed by it, so they are allocated
     when the loss has run and freed after their last read, not resident for the whole
-    step. The loss is an output of no size and the gradients are fixed, so no plan
-    computes either twice.
+    step. The loss is an output the size of the gradients it gives tensors outside the
+    graph (an LM head's weight the loss reads: autograd holds its gradient to the step's
+    end), and the gradients are fixed, so no plan computes either twice.
     """
 
     graph: Graph
@@ -105,7 +108,7 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
     fixed = [is_random(n) or bool(mutated_inputs(n)) or _reads_stale(n, mutated) or _is_tangent(n) for n in ordered]
     if tangents:
         at = ordered.index(tangents[0])
-        loss = _loss_bytes([n.meta["val"] for n in tangents], loss_fn, profile)
+        loss = _loss_price([n.meta["val"] for n in tangents], loss_fn, profile, cost_model)
         graph = _with_loss_node(graph, at, [ordered.index(n) for n in handed], loss, len(tangents))
         fixed.insert(at, False)
     return JointStep(graph, {n.name: n for n in ordered}, np.array(fixed, dtype=bool),
@@ -127,17 +130,19 @@ def _real_like(value: Any) -> Any:
     return real.normal_() if real.is_floating_point() else real.zero_()
 
 
-def _loss_bytes(tangent_values: list[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
-                profile: DeviceProfile) -> int:
+def _loss_price(tangent_values: list[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+                profile: DeviceProfile, cost_model: str) -> LossPrice:
     """What the loss, run by eager autograd between the compiled forward and backward on
-    outputs shaped like the gradients `tangent_values`, holds beyond them at its peak."""
+    outputs shaped like the gradients `tangent_values`, holds beyond them at its peak,
+    and what it costs."""
     with unset_fake_temporarily(), torch._guards.tracing(None), torch.enable_grad():
         out = [torch.empty(t.shape, dtype=t.dtype, device=t.device, requires_grad=t.is_floating_point())
                for t in tangent_values]
-        return output_loss_bytes(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile)
+        return output_loss_price(out[0] if len(out) == 1 else out, loss_fn or assumed_loss, device=profile,
+                                 cost_model=cost_model)
 
 
-def _with_loss_node(graph: Graph, at: int, reads: list[int], workspace: int, gradients: int) -> Graph:
+def _with_loss_node(graph: Graph, at: int, reads: list[int], loss: LossPrice, gradients: int) -> Graph:
     """`graph` with the loss (see `JointStep`) inserted as node `at`, reading `reads` and
     producing the `gradients` nodes that had indices `at` onwards."""
     def shifted(i: int) -> int:
@@ -148,14 +153,16 @@ def _with_loss_node(graph: Graph, at: int, reads: list[int], workspace: int, gra
         out.insert(at, value)
         return out
 
+    # the node holds its size from when it runs and its workspace while it runs: the gradients
+    # outside the graph, made by the loss's end, are held on, and its peak stays the loss's own
     edges = ([(shifted(a), shifted(b)) for a, b in graph.edges.tolist()]
              + [(shifted(r), at) for r in reads] + [(at, at + 1 + k) for k in range(gradients)])
-    return Graph.build(names=column(graph.names, LOSS), ops=column(graph.ops, "loss"), cost=column(graph.cost, 0.0),
-                       size=column(graph.size, 0), backward=column(graph.backward, True),
+    return Graph.build(names=column(graph.names, LOSS), ops=column(graph.ops, "loss"), cost=column(graph.cost, loss.cost),
+                       size=column(graph.size, loss.gradients), backward=column(graph.backward, True),
                        kind=column(graph.kind, "op"), module=column(graph.module, ""),
                        alias_of=column([shifted(a) if a >= 0 else -1 for a in graph.alias_of.tolist()], -1),
                        output=column(graph.output, True), edges=edges, fusible=column(graph.fusible, False),
-                       workspace=column(graph.workspace, workspace), tensor=column(graph.tensor, ""))
+                       workspace=column(graph.workspace, max(loss.bytes - loss.gradients, 0)), tensor=column(graph.tensor, ""))
 
 
 def _mutated_inputs(joint: torch.fx.GraphModule, primals: list[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch.nn as nn
 
 from optremat.core.budget import InfeasibleBudget
+from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
 from optremat.core.solution import FEASIBLE, OPTIMAL
-from optremat.planners.regions import RegionMap
 from optremat.planning.native import ROUNDING
 from optremat.planning.result import Chunking, Plan
 from optremat.tracing.lm_loss import CausalLMLoss
@@ -51,11 +51,21 @@ def choices(tokens: int) -> tuple[int | None, ...]:
     return tuple(k for k in CHOICES if k is None or k * MIN_ROWS <= tokens)
 
 
-def solve_chunked(whole: RegionMap, map_for: Callable[[int], RegionMap], tried: Sequence[int | None], head: str,
-                  budget_bytes: int, solve: Callable[[RegionMap, float], Plan], time_limit: float) -> Plan:
+class Step(Protocol):
+    """A step planned with one chunk count: a region map (`RegionMap`) or a compiled
+    joint graph (`compiler.joint.JointStep`), each holding its Graph."""
+
+    graph: Graph
+
+
+S = TypeVar("S", bound=Step)
+
+
+def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | None], head: str,
+                  budget_bytes: int, solve: Callable[[S, float], Plan], time_limit: float) -> Plan:
     """The cheapest plan that fits over every count in `tried`: `whole` is the step with
-    the whole head, `map_for(k)` the one in k chunks, `solve(rmap, time_limit)` the
-    exact region plan for one (each gets an equal share of `time_limit`). Counts are
+    the whole head, `map_for(k)` the one in k chunks, `solve(step, time_limit)` the
+    plan for one (each gets an equal share of `time_limit`). Counts are
     solved from the cheapest step up; one whose step alone costs more than a plan found
     already is not solved, its step's cost its bound. Ties go to fewer chunks. OPTIMAL
     when the plan meets the least bound of all counts (a count no plan fits counts only

@@ -17,7 +17,7 @@ import re
 import threading
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -196,15 +196,50 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                   frozenset(cached))
 
 
-def output_loss_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor], *,
-                      device: str | DeviceProfile = "cpu") -> int:
-    """The bytes a loss computed by eager autograd on a model output like `out` (tensors,
-    real or fake, whose `requires_grad` says which take a gradient) holds at its peak
-    beyond the output, which the caller holds through the backward (`out = model(x)`);
-    the output's gradient counts as the loss's own."""
-    graph = trace(_Output(out), (), loss_fn, device=device).graph
+class LossPrice(NamedTuple):
+    """What a loss run by eager autograd on a model's output holds at its peak beyond the
+    output (`bytes`), what its forward and backward cost (`cost`, seconds), and the bytes
+    of the gradients it gives tensors other than the output (`gradients`: a head's weight
+    it reads, whose gradient autograd holds from the loss's backward to the step's end)."""
+
+    bytes: int
+    cost: float
+    gradients: int
+
+
+def output_loss_price(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, device: str | DeviceProfile = "cpu",
+                      cost_model: str = "roofline") -> LossPrice:
+    """The price of a loss computed by eager autograd on a model output like `out`
+    (tensors, real or fake, whose `requires_grad` says which take a gradient): the bytes
+    it holds at its peak beyond the output, which the caller holds through the backward
+    (`out = model(x)`; the output's gradient counts as the loss's own), and its cost."""
+    graph = trace(_Output(out), (), loss_fn, device=device, cost_model=cost_model).graph
     held = np.unique(graph.storage_root[graph.pinned])
-    return max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0)
+    return LossPrice(max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0),
+                     graph.total_cost, _outside_gradient_bytes(out, loss_fn))
+
+
+def _outside_gradient_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor]) -> int:
+    """The bytes of the gradients `loss_fn` on `out` gives leaf tensors outside `out` (the
+    autograd graph's accumulators of tensors it closes over), found on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, out)
+        loss = loss_fn(fake)
+    own = {id(t) for t in tree_leaves(fake)}
+    seen, stack, outside = set(), [loss.grad_fn], {}
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in own:
+            outside[id(leaf)] = leaf.numel() * leaf.element_size()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(outside.values())
 
 
 def assumed_loss(out: Any) -> torch.Tensor:
@@ -683,6 +718,14 @@ def _viewed(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def _is_view(node: torch.fx.Node) -> bool:
+    """Whether `node` returns one tensor that its schema says views its first input."""
+    returns = getattr(getattr(node.target, "_schema", None), "returns", ())
+    return (len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+            and isinstance(node.meta.get("val"), torch.Tensor) and bool(node.args)
+            and isinstance(node.args[0], torch.fx.Node))
+
+
 def _storages(value: Any) -> dict[StorageWeakRef, int]:
     """The distinct storages behind a node's value, with their bytes."""
     return {StorageWeakRef(t.untyped_storage()): int(concrete(t.untyped_storage().nbytes()))
@@ -735,12 +778,14 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
         if kind == "op" and storages and not fresh:
             roots = {owner[r] for r in storages}
             alias_of = next((p for p in preds if _root(cols["alias_of"], p) in roots), -1)
+        elif kind == "op" and fresh and _is_view(node):
+            alias_of = index[node.args[0]]  # of a constant, whose recorded tensor is not the one traced
         into = written_into.get(node)
         if into is not None:
             alias_of = index[into]
         for r in fresh:
-            owner[r] = i if into is None else _root(cols["alias_of"], alias_of)
-        size = sum(fresh.values()) if into is None else 0
+            owner[r] = i if alias_of < 0 else _root(cols["alias_of"], alias_of)
+        size = sum(fresh.values()) if alias_of < 0 else 0
         if node.target is operator.getitem and alias_of >= 0 and cols["alias_of"][alias_of] < 0:
             earlier = next((parts[r] for r in storages if r in parts), -1)
             if earlier >= 0:
