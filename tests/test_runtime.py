@@ -343,7 +343,11 @@ def test_every_built_in_model_at_its_tightest_plan(name: str) -> None:
         assert measured <= 1.05 * plan.budget_bytes
 
 
-def test_hooks_fire_once_per_forward_and_remove_restores_the_model() -> None:
+def test_a_checkpointed_modules_hooks_fire_once_its_submodules_again_in_the_rerun() -> None:
+    """A checkpointed call's own hooks run outside its checkpoint, once per forward; its
+    submodules' hooks run again when it reruns in the backward, as under
+    `torch.utils.checkpoint` (a hook that changes an output must change the rerun's too);
+    `remove` restores the model."""
     model, inputs, loss_fn = gpt_dropout()
     plan = optremat.price_regions(model, inputs, [Region("blocks.0", 0)], loss_fn=loss_fn)
     region = model.get_submodule(plan.regions[0].path)
@@ -358,6 +362,7 @@ def test_hooks_fire_once_per_forward_and_remove_restores_the_model() -> None:
     assert calls == {"pre": 1, "post": 1, "inner": 1}
     loss_fn(out).backward()
     assert calls["pre"] == calls["post"] == 1, "the module's own hooks run outside its checkpointed forward"
+    assert calls["inner"] == 2, "a submodule's hook runs again in the rerun"
     optremat.remove(model)
     assert region.forward == forward and "forward" not in region.__dict__
 

@@ -6,6 +6,7 @@ anything is installed, and a planned model saved whole loads and trains the same
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import io
@@ -219,3 +220,89 @@ def test_replanning_prices_a_new_shape_as_the_applied_plan_was_priced() -> None:
     model(X[:1024])
     (made,) = [p for p in replan.plans.values() if p is not plan]
     assert (made.device, made.cost_model) == ("h100", "roofline")
+
+
+class OwnNoise(nn.Module):
+    """A block drawing noise from its own torch.Generator, which checkpoint's rerun would not replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.generator = torch.Generator()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+        return torch.tanh(self.lin(x) * (1 + 0.5 * noise))
+
+
+def test_a_call_drawing_from_its_own_generator_is_never_checkpointed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (OwnNoise(), nn.Sequential(nn.Linear(64, 256), nn.Tanh(),
+                                                                                  nn.Linear(256, 64)))]).double()
+    inputs = (torch.randn(512, 64, dtype=torch.float64),)
+
+    def seeded_step(m: nn.Module) -> tuple:
+        for k, noisy in enumerate(m[0::2]):
+            noisy.generator.manual_seed(k)
+        return step(m, inputs)
+
+    want = seeded_step(model)
+    plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions, "the test needs a plan that checkpoints something"
+    for region in plan.regions:
+        span = parse_span(region.path)
+        covered = range(span[1], span[2]) if span is not None else [int(region.path.split(".")[0])]
+        assert not any(k % 2 == 0 for k in covered), f"{region.path} draws from its own generator"
+    assert_same(seeded_step(optremat.apply(model, plan)), want)
+    with pytest.raises(ValueError, match="torch.Generator"):
+        optremat.price_regions(model, inputs, [Region("0", 0)], loss_fn=loss_fn)
+
+
+def test_a_batch_norm_shared_by_checkpointed_blocks_updates_once() -> None:
+    torch.manual_seed(0)
+    shared = nn.BatchNorm1d(128)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 128), shared, nn.Tanh(), nn.Linear(128, 64))
+                            for _ in range(4)]).double()
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+    state = copy.deepcopy(model.state_dict())
+    want = step(model, inputs)
+    plan = optremat.price_regions(model, inputs, [Region(str(k), 0) for k in range(4)], loss_fn=loss_fn)
+    model.load_state_dict(state)
+    assert_same(step(optremat.apply(model, plan), inputs), want)
+    assert shared.num_batches_tracked.item() == 4, "once per call of the step, none in the reruns"
+
+
+@dataclasses.dataclass
+class Hidden:
+    """A model's output as a plain dataclass, which pytree does not open."""
+
+    last: torch.Tensor
+    every: tuple[torch.Tensor, ...]
+
+
+class Returning(nn.Module):
+    def __init__(self, as_dataclass: bool) -> None:
+        super().__init__()
+        self.as_dataclass = as_dataclass
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> Hidden | dict:
+        every = []
+        for block in self.blocks:
+            x = x + block(x)
+            every.append(x * 2)
+        return Hidden(x, tuple(every)) if self.as_dataclass else {"last": x, "every": tuple(every)}
+
+
+def test_a_dataclass_output_is_held_as_a_dict_output_is() -> None:
+    """Every tensor of the output is priced as held through the backward, in a plain
+    dataclass as in a dict."""
+    inputs = (torch.randn(256, 64),)
+    plans = {}
+    for as_dataclass in (False, True):
+        torch.manual_seed(0)
+        model = Returning(as_dataclass)
+        last = (lambda out: out.last.square().mean()) if as_dataclass else (lambda out: out["last"].square().mean())
+        plans[as_dataclass] = optremat.plan(model, inputs, 0.8, loss_fn=last, solver="greedy")
+    assert plans[True].baseline_peak_bytes == plans[False].baseline_peak_bytes
+    assert plans[True].predicted_peak_bytes == plans[False].predicted_peak_bytes

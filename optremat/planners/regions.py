@@ -98,8 +98,9 @@ class RegionMap:
     region never spans two units, so its rerun finds its parameters gathered and never
     gathers them again. `rng_state_bytes` is one stash of the RNG state in the device's
     memory and `buffers` the node of each buffer the forward writes (by its name in
-    `named_buffers`): see `stash`. `cached` are the calls handed a key/value cache made
-    outside them (`tracing.kv_cache`): no region is one of them or spans one."""
+    `named_buffers`): see `stash`. `not_rerun` are the calls checkpoint cannot rerun as
+    they ran (handed a key/value cache made outside them, `tracing.kv_cache`, or drawing
+    from their own `torch.Generator`): no region is one of them or spans one."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]
@@ -112,7 +113,7 @@ class RegionMap:
     pack_seconds: float = 0.0
     rng_state_bytes: int = 0
     buffers: dict[str, int] = field(default_factory=dict)
-    cached: frozenset[Call] = frozenset()
+    not_rerun: frozenset[Call] = frozenset()
 
     def stash(self, call: Call) -> "Stash":
         """What the runtime holds for `call` when it runs under checkpoint: checkpoint's
@@ -227,15 +228,15 @@ class RegionMap:
         return self.unit is None or len(set(self.unit[self.members[call]].tolist())) == 1
 
     def _runnable(self, call: Call) -> bool:
-        """Whether checkpoint can run `call`: within one FSDP unit, handed no key/value cache."""
-        return self._within_a_unit(call) and call not in self._handed_caches
+        """Whether checkpoint can run `call`: within one FSDP unit, and rerun as it ran."""
+        return self._within_a_unit(call) and call not in self._never_rerun
 
     @cached_property
-    def _handed_caches(self) -> frozenset[Call]:
-        """The calls handed a key/value cache, and the spans over any of them."""
-        found = set(self.cached)
+    def _never_rerun(self) -> frozenset[Call]:
+        """The calls `not_rerun`, and the spans over any of them."""
+        found = set(self.not_rerun)
         for stack in self.calls:
-            if self.cached.intersection(stack):
+            if self.not_rerun.intersection(stack):
                 found.update(self._spans_of(stack))
         return frozenset(found)
 

@@ -235,7 +235,7 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
     written = {name: first + buffers.index(name) for name in traced.mutated_buffers if name in buffers}
     return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
                      profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds,
-                     profile.rng_state_bytes, written, traced.cached_calls)
+                     profile.rng_state_bytes, written, traced.cached_calls | traced.generator_calls)
 
 
 def runs_its_children(module: nn.Module) -> bool:
@@ -273,6 +273,10 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     if handed:
         raise ValueError(f"{', '.join(handed)} is handed a key/value cache, which a checkpointed rerun would write "
                          "again: leave it out, or set use_cache=False")
+    drawing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) in traced.generator_calls]
+    if drawing:
+        raise ValueError(f"{', '.join(drawing)} draws random numbers from its own torch.Generator, which checkpoint "
+                         "does not restore for the rerun: leave it out")
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
     graph = rmap.graph

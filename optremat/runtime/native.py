@@ -219,8 +219,11 @@ def _take_over(model: nn.Module, path: str) -> None:
     """Route the module at `path` through `_region_forward` (once)."""
     runtime: _Runtime = getattr(model, _RUNTIME)
     module = model.get_submodule(path)
-    prefix = f"{path}." if path else ""
-    mutated = tuple(name.removeprefix(prefix) for name in runtime.mutated_buffers if name.startswith(prefix))
+    buffers = dict(model.named_buffers())
+    written = {id(buffers[name]) for name in runtime.mutated_buffers}
+    # by identity: a module shared by several calls (one BatchNorm in every block) has its
+    # buffers named under the first path alone
+    mutated = tuple(name for name, buffer in module.named_buffers() if id(buffer) in written)
     state = module.__dict__.get(_REGION)
     if state is not None:
         state.runtime, state.mutated = runtime, mutated

@@ -16,7 +16,7 @@ import operator
 import re
 import threading
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -182,6 +182,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     calls = tuple(_call_stack(node) if kind == "op" and not backward else ()
                   for node, kind, backward in zip(nodes, graph.kind, graph.backward.tolist()))
     random = tuple(torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) for node in nodes)
+    drawing = frozenset(call for node, stack in zip(nodes, calls) if node.kwargs.get("generator") is not None
+                        for call in stack)
     index = {name: i for i, name in enumerate(graph.names)}
     gradient_nodes = tuple(index[node.name] for node in results[len(results) - len(structure["gradients"]):])
     grad_of = _grad_of(gm, graph)
@@ -193,7 +195,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                     size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes,
-                  frozenset(cached))
+                  frozenset(cached), drawing)
 
 
 class LossPrice(NamedTuple):
@@ -253,7 +255,8 @@ def assumed_loss(out: Any) -> torch.Tensor:
     log-softmax and two gradients of their size; the model's output itself is priced as
     held through the backward. Only the price depends on it: any loss trains under the
     plan."""
-    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    leaves = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and t.requires_grad]
     if not leaves:
         raise ExtractionError("the model's output has no tensor that requires grad; pass loss_fn or check the model")
     logits = max(leaves, key=lambda t: t.numel())
@@ -305,13 +308,25 @@ def _held(out: Any) -> list[torch.Tensor]:
     `outputs.loss`, holds the output until the step ends, and a plan priced without it
     would exceed its budget by the output's bytes there; a key/value cache in the output
     holds its tensors as long."""
-    leaves = tree_leaves(out)
+    leaves = output_leaves(out)
     return [t for t in leaves if isinstance(t, torch.Tensor)] + [t for c in leaves if is_cache(c)
                                                                  for t in cache_tensors(c)]
 
 
+def output_leaves(out: Any) -> list[Any]:
+    """The leaves of a model's output: pytree's, with a plain dataclass (one pytree does
+    not know) opened field by field."""
+    found = []
+    for leaf in tree_leaves(out):
+        if is_dataclass(leaf) and not isinstance(leaf, type):
+            found += output_leaves([getattr(leaf, f.name) for f in fields(leaf)])
+        else:
+            found.append(leaf)
+    return found
+
+
 def _grad_leaves(out: Any) -> list[torch.Tensor]:
-    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         raise ExtractionError("the model's output has no tensor that requires grad; pass loss_fn or check the model")
     return leaves

@@ -298,9 +298,8 @@ def expanded(traced: Traced, short: nn.Module, model: nn.Module, path: str, n: i
     return replace(traced, graph=graph, grad_of=copies.column(traced.grad_of),
                    gradients=tuple(name for name, _ in kept), gradient_nodes=tuple(k for _, k in kept),
                    calls=tuple(copies.calls(traced.calls[v], j) for v, j in copies.order),
-                   cached_calls=frozenset(renamed for v, j in copies.order
-                                          for renamed, call in zip(copies.calls(traced.calls[v], j), traced.calls[v])
-                                          if call in traced.cached_calls),
+                   cached_calls=copies.calls_among(traced.cached_calls, traced.calls),
+                   generator_calls=copies.calls_among(traced.generator_calls, traced.calls),
                    random=tuple(traced.random[v] for v, _ in copies.order), mutated_buffers=mutated)
 
 
@@ -392,6 +391,13 @@ class _Copies:
 
     def calls(self, stack: tuple[tuple[str, int], ...], j: int | None) -> tuple[tuple[str, int], ...]:
         return tuple((self.renamed(p, j), k) for p, k in stack)
+
+    def calls_among(self, chosen: frozenset[tuple[str, int]], stacks: tuple[tuple[tuple[str, int], ...], ...]
+                    ) -> frozenset[tuple[str, int]]:
+        """The calls of the expanded step that are copies of the short step's `chosen`
+        (each node's call stack in `stacks`)."""
+        return frozenset(renamed for v, j in self.order for renamed, call in zip(self.calls(stacks[v], j), stacks[v])
+                         if call in chosen)
 
     def graph(self) -> Graph:
         g = self.traced.graph

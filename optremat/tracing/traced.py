@@ -23,7 +23,9 @@ class Traced:
     sums of gradients); a saved tensor is saved by that autograd node. `gradients`
     names the parameters whose gradients the step returns, in order, and `gradient_nodes`
     the Graph nodes holding them. `cached_calls` are the module calls handed a key/value
-    cache (`tracing.kv_cache`): never checkpointed.
+    cache (`tracing.kv_cache`) and `generator_calls` those drawing random numbers from a
+    `torch.Generator` of their own, which checkpoint does not restore for a rerun: neither
+    is ever checkpointed.
     """
 
     module: torch.fx.GraphModule
@@ -35,6 +37,7 @@ class Traced:
     mutated_buffers: tuple[str, ...] = ()
     gradient_nodes: tuple[int, ...] = ()
     cached_calls: frozenset[tuple[str, int]] = frozenset()
+    generator_calls: frozenset[tuple[str, int]] = frozenset()
 
     def parameters(self, model: nn.Module) -> list[tuple[int, int]]:
         """(parameter node, node holding its gradient or -1) for each of `model`'s
