@@ -16,7 +16,8 @@ loss in `F.linear_cross_entropy` under PyTorch's default `LinearCrossEntropyOpti
 PyTorch's `activation_memory_budget=0.3` (aot_eager_decomp_partition); optremat planned
 with `chunks="auto"` at each of those measured peaks (where no plan is predicted to fit
 one, at the least peak found, timed against that peer) and at 85%, 70% and 55% of
-per-block checkpointing's. The least peak of any region plan with the whole head and
+per-block checkpointing's; `optremat.compile_backend` (Inductor) on the model, the loss's
+chunks left to it, at each peer's measured peak. The least peak of any region plan with the whole head and
 with the chunks optremat prices is stated above the table (proven where the exact search
 proved it). Step times as `benchmarks.native` measures them: every configuration in the
 same process over `rounds` rounds after one uncounted warm-up round, in a shuffled order
@@ -45,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optremat
-from benchmarks.native import LLAMA, _time
+from benchmarks.native import LLAMA, _time, compiled_plan
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, hf_checkpointing, torch_budget_backend, under
 from optremat.core.graph import format_bytes
@@ -85,17 +86,19 @@ def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tens
 
 def gpt_mini(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
     """gpt-mini returning hidden states (`gpt`)."""
-    return gpt(SHAPE, BATCH, rounds, limit, torch_budget=0.3, cost_model=cost_model)
+    return gpt(SHAPE, BATCH, rounds, limit, torch_budget=0.3, cost_model=cost_model, inner="inductor")
 
 
 def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
         dtype: torch.dtype = torch.float32, fractions: tuple[float, ...] = (0.85, 0.7, 0.55),
-        least_peaks: bool = True, torch_budget: float | None = None, cost_model: str = "roofline"
-        ) -> tuple[list[str], list[list[str]]]:
+        least_peaks: bool = True, torch_budget: float | None = None, cost_model: str = "roofline",
+        inner: str | None = None) -> tuple[list[str], list[list[str]]]:
     """`HiddenGPT` of `shape` on `device` in `dtype`, its loss a `CausalLMLoss`, against
     per-block checkpointing with the whole head and with PyTorch's chunked loss, and with
     `torch_budget` against the step (model and whole loss) compiled under PyTorch's
-    `activation_memory_budget`; optremat's ops priced by `cost_model`."""
+    `activation_memory_budget`; optremat's ops priced by `cost_model`; with `inner`, also
+    `optremat.compile_backend` on the model (that inner compiler), the loss's chunks left
+    to it, at each peer's peak."""
     torch.manual_seed(0)
     model = HiddenGPT(**shape).to(device, dtype)
     idx = torch.randint(0, shape["vocab"], (batch, shape["seq"]), device=device)
@@ -123,8 +126,12 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         forward = torch.compile(lambda ids: whole(model(ids)), backend=torch_budget_backend(torch_budget))
         peers[f"PyTorch activation_memory_budget {torch_budget:g} (torch.compile)"] = (
             "whole", lambda: torch.autograd.grad(forward(idx), params))
+    compiled = None if inner is None else (lambda label, budget, measured: compiled_plan(
+        model, auto, label, budget, inner, limit, cost_model,
+        lambda forward: lambda: torch.autograd.grad(auto(forward(idx)), params), measured))
     return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, cost_model=cost_model),
-                   dict(loss_fn=auto, cost_model=cost_model), rounds, limit, device, fractions, least_peaks, labels)
+                   dict(loss_fn=auto, cost_model=cost_model), rounds, limit, device, fractions, least_peaks, labels,
+                   compiled)
 
 
 def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
@@ -155,7 +162,8 @@ def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[l
 
 def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, peers: dict[str, tuple[str, Step]],
             whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float, device: str = "cpu",
-            fractions: tuple[float, ...] = (0.85, 0.7, 0.55), least_peaks: bool = True, targets: Any = ()
+            fractions: tuple[float, ...] = (0.85, 0.7, 0.55), least_peaks: bool = True, targets: Any = (),
+            compiled: Callable[[str, int, Callable[[Step], int]], tuple[Step | None, dict[str, str]]] | None = None
             ) -> tuple[list[str], list[list[str]]]:
     """The least peaks of region plans with the whole head (`whole`: plan()'s options
     for it) and with its chunks priced (`auto`), and the rows: the `unplanned` step, each
@@ -163,7 +171,9 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, 
     installed) at each peer's measured peak (at the least peak found where none fits
     it, timed against that peer) and at `fractions` of the first one's,
     every peak measured on `device` (the least peaks left out without `least_peaks`), with
-    the parameters, buffers, inputs and loss `targets` resident, as plans price them."""
+    the parameters, buffers, inputs and loss `targets` resident, as plans price them;
+    with `compiled(label, budget, measured)`, a compiled plan's step and row at each
+    peer's peak too."""
     params = list(model.parameters())
     resident = [params, list(model.buffers()), inputs, targets]
 
@@ -214,6 +224,13 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, 
             if label.startswith("= "):  # the least peak found, measured against the peer it could not match
                 with contextlib.suppress(optremat.InfeasibleBudget):
                     planned(f"{label}, least peak found", error.smallest)
+    for name, peak in peaks.items() if compiled is not None else ():
+        label = f"= {name} ({format_bytes(peak)})"
+        try:
+            methods[f"optremat compiled = {name}"] = compiled(label, peak, measured)
+        except Exception as error:  # a row, not the page, lost: the other rows took minutes of a lent device
+            methods[f"optremat compiled = {name}"] = (None, {"method": "optremat compile_backend", "budget": label,
+                                                             "predicted peak": f"failed: {type(error).__name__}"})
     _time(methods, rounds, device)
     return floors, [[fields.get(column, "-") for column in HEADER] for _, fields in methods.values()]
 

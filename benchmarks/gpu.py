@@ -10,13 +10,16 @@ its tied head, on one CUDA device, in bfloat16 and in float32, with the rows of
 the head and loss in PyTorch's `F.linear_cross_entropy` under its default options (where
 this PyTorch has it);
 optremat planned with `chunks="auto"` at both per-block peaks measured (where no plan is
-predicted to fit one, at the least peak found) and at 70% and 50% of the first; above each table, the least peak of any region plan with the whole
+predicted to fit one, at the least peak found) and at 70% and 50% of the first;
+`optremat.compile_backend` (Inductor) on the model, the loss's chunks left to it, at each
+per-block peak; above each table, the least peak of any region plan with the whole
 head and with the chunks priced. Peaks come from the CUDA allocator, step times from
 interleaved rounds (the median of per-round ratios to the unplanned step), as
 `benchmarks.native` measures them. Writes gpu.md under $OUT when it is set, else here.
 
 `--smoke` runs the same code on the CPU on a 2-block GPT of width 64, for one round with
-2 s plans at per-block checkpointing's peak only (no least peaks), and writes nothing:
+2 s plans at per-block checkpointing's peak only (no least peaks; compiled by aot_eager),
+and writes nothing:
 the check (`tests/test_bench.py`) that the command still runs where no GPU is.
 """
 
@@ -56,7 +59,8 @@ def main() -> None:
     notes: list[str] = []
     rows: list[list[str]] = []
     for name, dtype in DTYPES.items():
-        floors, table = gpt(shape, batch, rounds, limit, device, dtype, fractions, least_peaks=not args.smoke)
+        floors, table = gpt(shape, batch, rounds, limit, device, dtype, fractions, least_peaks=not args.smoke,
+                            inner="aot_eager" if args.smoke else "inductor")
         notes += [f"- {name}: {line}" for line in floors]
         rows += [[name, *row] for row in table]
         if args.smoke:

@@ -55,6 +55,7 @@ from optremat.core.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak, step_resident
 from optremat.tracing.costs import COST_MODELS
+from optremat.tracing.lm_loss import install
 
 HEADER = ["model", "method", "budget", "predicted peak", "measured peak", "measured / predicted",
           "predicted overhead", "measured overhead (median)", "optremat / peer (median)", "plan s"]
@@ -194,9 +195,9 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
                                    "measured peak": format_bytes(peak)})
         if fraction < 1.0:
             budgets.append((f"= torch {fraction:g}", peak, True))
-            methods[f"compile_backend = torch {fraction:g}"] = _compiled_plan(
-                case, name, f"= torch {fraction:g}", peak, "inductor" if backend == "inductor" else "aot_eager", limit,
-                cost_model, step_of, measured)
+            methods[f"compile_backend = torch {fraction:g}"] = compiled_plan(
+                model, compiled_loss(case, name), f"= torch {fraction:g}", peak,
+                "inductor" if backend == "inductor" else "aot_eager", limit, cost_model, step_of, measured)
     budgets += [(f"{f:.0%}", f, True) for f in (0.5, 0.7, 0.9)]
     for label, budget, with_loss in budgets:
         started = time.perf_counter()
@@ -243,16 +244,17 @@ def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], r
             fields["optremat / peer (median)"] = f"{statistics.median(m / p for m, p in zip(seconds[key], seconds[peer])):.3f}"
 
 
-def _compiled_plan(case: Case, name: str, label: str, budget: int, inner: str, limit: float, cost_model: str,
-                   step_of: Callable[[torch.nn.Module], Callable[[], Any]], measured: Callable[[Callable[[], Any]], int]
-                   ) -> tuple[Callable[[], Any] | None, dict[str, str]]:
-    """`optremat.compile_backend` at `budget` bytes (`label` names it): its step (None
-    when infeasible) and its row's fields."""
-    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=compiled_loss(case, name),
-                                       cost_model=cost_model)
+def compiled_plan(model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], label: str, budget: int,
+                  inner: str, limit: float, cost_model: str, step_of: Callable[[torch.nn.Module], Callable[[], Any]],
+                  measured: Callable[[Callable[[], Any]], int]) -> tuple[Callable[[], Any] | None, dict[str, str]]:
+    """`optremat.compile_backend` on `model` at `budget` bytes (`label` names it), pricing
+    `loss_fn`: its step (None when infeasible) and its row's fields. Where the plan chose
+    the LM head's chunks, the step installs them before each run, as other rows' plans
+    install theirs on the same head."""
+    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=loss_fn, cost_model=cost_model)
     method = f"optremat compile_backend ({inner})"
     started = time.perf_counter()
-    step = step_of(torch.compile(case.model, backend=backend, dynamic=False))
+    step = step_of(torch.compile(model, backend=backend, dynamic=False))
     try:
         peak = measured(step)
     except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -261,10 +263,21 @@ def _compiled_plan(case: Case, name: str, label: str, budget: int, inner: str, l
         smallest = format_bytes(error.inner_exception.smallest)
         return None, {"method": method, "budget": label, "predicted peak": f"infeasible (smallest {smallest})"}
     plan = backend.plans[0]
+    if plan.chunking is not None:
+        step = _installing(step, loss_fn, plan.chunking.chunks)
     return step, {"method": method, "budget": label, "predicted peak": format_bytes(plan.predicted_peak_bytes),
+                  "head": "whole" if plan.chunking is None or plan.chunking.chunks is None
+                  else f"{plan.chunking.chunks} chunks",
                   "measured peak": format_bytes(peak), "measured / predicted": f"{peak / plan.predicted_peak_bytes:.3f}",
                   "predicted overhead": f"{plan.predicted_overhead:+.1%}",
                   "plan s": f"{sum(p.solve_seconds for p in backend.plans):.1f} (compile {time.perf_counter() - started:.0f})"}
+
+
+def _installing(step: Callable[[], Any], loss_fn: optremat.CausalLMLoss, chunks: int | None) -> Callable[[], Any]:
+    def run() -> Any:
+        install(loss_fn.weights(substituted=False)[0], chunks)
+        return step()
+    return run
 
 
 def _seconds(run: Callable[[], Any], device: str) -> float:

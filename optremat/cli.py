@@ -1,8 +1,9 @@
 """The `optremat` command line.
 
-Exit codes: 0 success, 2 bad input (unknown model, unreadable or malformed file,
-untraceable model, a budget, solver or option not understood, a file that cannot be
-written), 3 infeasible budget (the message names the smallest feasible one). Errors are
+Exit codes: 0 success, 2 bad input (unknown model, unreadable or malformed file, a model
+file or function that fails, untraceable model, a budget, solver or option not
+understood, a file that cannot be written), 3 infeasible budget (the message names the
+smallest feasible one) or a `max-batch` memory that not even batch 1 fits. Errors are
 one line on stderr, `optremat: error: ...`.
 """
 
@@ -21,7 +22,7 @@ from optremat.core import published
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.coarsen import coarsen
 from optremat.core.graph import Graph, GraphError, format_bytes
-from optremat.core.schedule import keep_all, simulate
+from optremat.core.schedule import keep_all, peak_floor, simulate
 from optremat.planners.solve import SOLVERS
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "optremat"
@@ -223,7 +224,7 @@ def _cache_command(args: argparse.Namespace) -> int:
         return 0
     entries = store.entries()
     for e in entries:
-        print(f"{e.key}  {e.status:10s} {e.solver:10s} budget {format_bytes(e.budget_bytes):>11s}  "
+        print(f"{e.key}  {e.status:12s} {e.solver:10s} budget {format_bytes(e.budget_bytes):>11s}  "
               f"overhead {e.predicted_overhead:7.2%}  time limit {e.time_limit:g} s  {format_bytes(e.bytes)}")
     print(f"{len(entries)} plans in {store.directory}")
     return 0
@@ -235,6 +236,9 @@ def _max_batch_command(args: argparse.Namespace) -> int:
     from optremat.planning.batch import batch_ways
 
     memory = parse_size(args.memory)
+    if math.isnan(args.max_overhead) or args.max_overhead < 0:
+        raise ValueError(f"--max-overhead must be a fraction of extra compute >= 0 (0.25: 25%), "
+                         f"not {args.max_overhead:g}")
     if args.head_chunks and not args.model.startswith("gpt"):
         raise ValueError(f"--head-chunks is for the built-in GPTs, not {args.model}")
     ways = batch_ways(args.model, args.head_chunks, args.device)
@@ -245,17 +249,32 @@ def _max_batch_command(args: argparse.Namespace) -> int:
     result = max_batch(ways[0][1], memory, max_overhead=args.max_overhead, time_limit=args.time_limit,
                        deterministic=args.deterministic, progress=progress if args.progress else None,
                        alternatives=ways[1:])
+    if result.planned == 0:
+        print(f"optremat: infeasible: {_no_batch_fits(args, memory, ways)}", file=sys.stderr)
+        return EXIT_INFEASIBLE
     report = {"model": args.model, "memory_bytes": memory, "max_overhead": args.max_overhead,
               "unplanned_batch": result.unplanned, "planned_batch": result.planned,
               "planned_overhead": result.planned_overhead, "planned_with": result.planned_with or None,
-              "ratio": result.ratio}
+              "ratio": result.ratio if result.unplanned else None}
     if args.json:
         print(json.dumps(report))
         return 0
     way = f", LM head in {result.planned_with}" if result.planned_with else ""
+    gain = f"{result.ratio:.2f}x" if result.unplanned else "not even batch 1 fits unplanned"
     print(f"{args.model} in {format_bytes(memory)}: batch {result.unplanned} unplanned, {result.planned} planned "
-          f"({result.ratio:.2f}x) at {result.planned_overhead:.1%} extra compute (cap {args.max_overhead:.0%}){way}")
+          f"({gain}) at {result.planned_overhead:.1%} extra compute (cap {args.max_overhead:.0%}){way}")
     return 0
+
+
+def _no_batch_fits(args: argparse.Namespace, memory: int,
+                   ways: Sequence[tuple[str, Callable[[int], Graph]]]) -> str:
+    """Why `memory` fits no batch of `args.model`: what batch 1 needs unplanned, and the
+    least peak no plan of any way of running its step goes below."""
+    graph = ways[0][1](1)
+    floor = min(peak_floor(way(1)) for _, way in ways)
+    return (f"{args.model} does not fit in {format_bytes(memory)} even at batch 1: its step needs "
+            f"{format_bytes(simulate(graph, keep_all(graph)).peak_bytes)} unplanned, and no plan within "
+            f"{args.max_overhead:.0%} extra compute fits (no plan goes below {format_bytes(floor)})")
 
 
 def _bench_command(args: argparse.Namespace) -> int:

@@ -292,7 +292,9 @@ def load(spec: str) -> Example:
     `(model, example_inputs)` or `(model, example_inputs, loss_fn)`; inputs given as a
     dict are keyword arguments (`model(**batch)`). Without a loss the step's loss is the
     model's own where its output carries one (`outputs.loss`, as a transformers model
-    given `labels` returns it), else the sum of the output's floating-point tensors."""
+    given `labels` returns it), else the sum of the output's floating-point tensors. A file
+    that fails to run, or a function that fails when called, raises ValueError naming it
+    and the exception's type and message (the exception chained as its cause)."""
     if spec in BUILDERS:
         return build(spec)
     path, _, function = spec.rpartition(":")
@@ -303,11 +305,24 @@ def load(spec: str) -> Example:
         raise FileNotFoundError(f"no such model file: {path}")
     module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(module_spec)
+
+    def failed(what: str, error: Exception) -> ValueError:
+        """`what` failed, with the exception's type and message on one line, as the
+        command prints errors."""
+        message = " ".join(str(error).split())
+        return ValueError(f"{what}: {type(error).__name__}" + (f": {message}" if message else ""))
+
     with _importable(Path(path).resolve().parent, Path.cwd()):
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as error:
+            raise failed(f"model file {path} could not be loaded", error) from error
         if not callable(getattr(module, function, None)):
             raise KeyError(f"{path} defines no function {function!r}")
-        made = getattr(module, function)()
+        try:
+            made = getattr(module, function)()
+        except Exception as error:
+            raise failed(f"{function}() in model file {path} failed", error) from error
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
         raise ValueError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
     inputs = made[1] if isinstance(made[1], (tuple, dict)) else (made[1],)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import hashlib
 import io
 import json
 import os
@@ -89,6 +90,42 @@ def test_corrupted_entry_is_reported_and_solved_again(tmp_path) -> None:
         assert not optremat.plan(model, inputs, 0.7, **options).cached
     assert same_plan(optremat.plan(model, inputs, 0.7, **options), first)
     assert optremat.plan(model, inputs, 0.7, **options).cached
+
+
+def with_plan(entry: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """A cache entry holding `plan`, with the checksum the cache keeps of it recomputed."""
+    text = json.dumps(plan, sort_keys=True)
+    return {**entry, "plan": plan, "checksum": hashlib.sha256(text.encode()).hexdigest()}
+
+
+MALFORMED_ENTRIES: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "a list": lambda entry: [1, 2, 3],
+    "null": lambda entry: None,
+    "text": lambda entry: "text",
+    "no time limit": lambda entry: {k: v for k, v in entry.items() if k != "time_limit"},
+    "a time limit as text": lambda entry: {**entry, "time_limit": "2"},
+    "the plan a list": lambda entry: with_plan(entry, []),
+    "a plan without status": lambda entry: with_plan(entry, {k: v for k, v in entry["plan"].items() if k != "status"}),
+    "a status as a number": lambda entry: with_plan(entry, {**entry["plan"], "status": 1}),
+}
+
+
+def test_an_entry_of_any_malformed_shape_is_reported_and_solved_again(tmp_path) -> None:
+    """Valid JSON that is not an intact entry (not an object, a field missing or of the
+    wrong type) is corrupted like a truncated one: a warning, the plan made again and
+    stored again; `cache list` shows it as CORRUPTED."""
+    model, inputs, loss_fn = build()
+    options = dict(loss_fn=loss_fn, time_limit=2, deterministic=True, cache=tmp_path)
+    first = optremat.plan(model, inputs, 0.7, **options)
+    (entry,) = tmp_path.glob("*.plan.json")
+    intact = json.loads(entry.read_text())
+    for name, malformed in MALFORMED_ENTRIES.items():
+        entry.write_text(json.dumps(malformed(intact)))
+        assert "CORRUPTED" in run("cache", "list", "--dir", str(tmp_path)).stdout, name
+        with pytest.warns(UserWarning, match=f"plan cache entry {entry} is corrupted"):
+            again = optremat.plan(model, inputs, 0.7, **options)
+        assert not again.cached and same_plan(again, first), name
+        assert optremat.plan(model, inputs, 0.7, **options).cached, name
 
 
 def test_unproven_plan_is_reused_only_without_more_time(tmp_path, monkeypatch) -> None:

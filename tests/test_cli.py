@@ -285,3 +285,50 @@ def test_a_model_file_giving_a_dict_batch_is_called_with_keywords_and_its_own_lo
     example = load(f"{tmp_path / 'own.py'}:model")
     output = example.model(**example.inputs)
     assert torch.equal(example.loss_fn(output), output["loss"])
+
+
+def test_a_model_file_or_function_that_fails_is_one_line_naming_it(tmp_path):
+    """A model file that does not run, a function that needs arguments or raises: one line
+    naming the file, the function and the exception, exit 2; through the library, a
+    ValueError whose cause is the exception."""
+    (tmp_path / "syntax.py").write_text("this is not python(\n")
+    (tmp_path / "fails.py").write_text("def needs_args(n):\n    return n\n\n"
+                                       "def raises():\n    raise RuntimeError('boom\\n  on two lines')\n")
+    for spec, says in ((f"{tmp_path / 'syntax.py'}:build", f"model file {tmp_path / 'syntax.py'} could not be loaded: "
+                        "SyntaxError: "),
+                       (f"{tmp_path / 'fails.py'}:needs_args", f"needs_args() in model file {tmp_path / 'fails.py'} "
+                        "failed: TypeError: needs_args() missing 1 required positional argument: 'n'"),
+                       (f"{tmp_path / 'fails.py'}:raises", "raises() in model file "
+                        f"{tmp_path / 'fails.py'} failed: RuntimeError: boom on two lines")):
+        for command in (("plan", "--budget", "0.9"), ("graph",)):
+            assert says in one_line_error(run(*command, "--model", spec)), (spec, command)
+    with pytest.raises(ValueError, match="raises.. in model file") as error:
+        load(f"{tmp_path / 'fails.py'}:raises")
+    assert isinstance(error.value.__cause__, RuntimeError)
+
+
+def test_max_batch_refuses_a_negative_overhead_cap_and_says_when_not_even_batch_1_fits(monkeypatch):
+    """A negative --max-overhead is bad input, refused before tracing; a memory no batch
+    fits, even planned, is infeasible (exit 3) naming what batch 1 needs; one only a
+    planned batch 1 fits has no unplanned-to-planned ratio."""
+    import optremat.planning.batch
+
+    traced = optremat.planning.batch.batch_ways
+
+    def not_traced(*args):
+        raise AssertionError("a bad option must be refused before the model is traced")
+
+    monkeypatch.setattr(optremat.planning.batch, "batch_ways", not_traced)
+    for cap in ("-1", "nan"):
+        error = one_line_error(run("max-batch", "--model", "mlp-tiny", "--memory", "1MiB", "--max-overhead", cap))
+        assert "--max-overhead must be a fraction of extra compute >= 0" in error, cap
+    monkeypatch.setattr(optremat.planning.batch, "batch_ways", traced)
+    nothing = run("max-batch", "--model", "mlp-tiny", "--memory", "1KiB", "--time-limit", "0.02", "--deterministic")
+    assert nothing.returncode == 3 and nothing.stdout == "" and nothing.stderr.strip().count("\n") == 0
+    assert nothing.stderr.startswith("optremat: infeasible: mlp-tiny does not fit in 1.00 KiB even at batch 1: its "
+                                     "step needs ") and "no plan goes below" in nothing.stderr, nothing.stderr
+    planned_only = run("max-batch", "--model", "resnet-tiny", "--memory", "3300000", "--time-limit", "0.02",
+                       "--deterministic", "--json")
+    assert planned_only.returncode == 0, planned_only.stderr
+    report = json.loads(planned_only.stdout)
+    assert report["unplanned_batch"] == 0 and report["planned_batch"] >= 1 and report["ratio"] is None

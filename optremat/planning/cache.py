@@ -95,12 +95,9 @@ class PlanCache:
         if not path.exists():
             return None
         try:
-            entry = json.loads(path.read_text())
-            if entry.get("format") != CACHE_FORMAT:
+            entry = _read_entry(path)
+            if entry is None:
                 return None
-            text = json.dumps(entry["plan"], sort_keys=True)
-            if hashlib.sha256(text.encode()).hexdigest() != entry["checksum"]:
-                raise ValueError("checksum mismatch")
             plan = load(entry["plan"])
         except (OSError, ValueError, KeyError, TypeError) as error:
             warnings.warn(f"optremat: plan cache entry {path} is corrupted ({error}); planning again", stacklevel=3)
@@ -127,17 +124,22 @@ class PlanCache:
         return True
 
     def entries(self) -> list[Entry]:
-        """Every entry on disk (corrupted ones are listed with status CORRUPTED)."""
+        """Every entry on disk (corrupted ones are listed with status CORRUPTED, those of
+        another cache format with OTHER FORMAT)."""
         out = []
         for path in sorted(self.directory.glob("*.plan.json")):
             key = path.name.removesuffix(".plan.json")
             try:
-                entry = json.loads(path.read_text())
-                plan = entry["plan"]
-                out.append(Entry(key, path, path.stat().st_size, plan["solver"], plan["status"], plan["budget_bytes"],
-                                 plan["predicted_overhead"], entry["time_limit"]))
-            except (OSError, ValueError, KeyError, TypeError):
+                entry = _read_entry(path)
+            except (OSError, ValueError):
                 out.append(Entry(key, path, path.stat().st_size, "-", "CORRUPTED", 0, 0.0, 0.0))
+                continue
+            if entry is None:
+                out.append(Entry(key, path, path.stat().st_size, "-", "OTHER FORMAT", 0, 0.0, 0.0))
+                continue
+            plan = entry["plan"]
+            out.append(Entry(key, path, path.stat().st_size, plan["solver"], plan["status"], plan["budget_bytes"],
+                             plan["predicted_overhead"], entry["time_limit"]))
         return out
 
     def clear(self) -> int:
@@ -151,3 +153,50 @@ class PlanCache:
             for path in self.directory.glob(pattern):
                 path.unlink(missing_ok=True)
         return removed
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_ENTRY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "checksum": (lambda v: isinstance(v, str), "text"),
+    "time_limit": (lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
+    "plan": (lambda v: isinstance(v, dict), "a JSON object"),
+}
+"""The fields of an entry of this cache format, what each must be and how to say so."""
+
+_PLAN_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "solver": (lambda v: isinstance(v, str), "text"),
+    "status": (lambda v: isinstance(v, str), "text"),
+    "budget_bytes": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                     "a whole number of bytes > 0"),
+    "predicted_overhead": (_is_number, "a number"),
+}
+"""The fields of an entry's plan that the cache reads itself (the loader checks the rest)."""
+
+
+def _read_entry(path: Path) -> dict[str, Any] | None:
+    """The entry stored at `path`, or None if it is of another cache format (a miss).
+    ValueError saying what is wrong with anything else that is not one intact entry (not
+    JSON, not an object, a field missing or of the wrong type, a plan that does not match
+    its checksum), so that every malformed entry reads as corrupted; OSError if it cannot
+    be read."""
+    entry = json.loads(path.read_text())
+    if not isinstance(entry, dict):
+        raise ValueError("the entry is not a JSON object")
+    if entry.get("format") != CACHE_FORMAT:
+        return None
+    _check_fields(entry, _ENTRY_FIELDS, "its")
+    _check_fields(entry["plan"], _PLAN_FIELDS, "its plan's")
+    text = json.dumps(entry["plan"], sort_keys=True)
+    if hashlib.sha256(text.encode()).hexdigest() != entry["checksum"]:
+        raise ValueError("checksum mismatch")
+    return entry
+
+
+def _check_fields(data: dict[str, Any], fields: dict[str, tuple[Callable[[Any], bool], str]], whose: str) -> None:
+    """ValueError naming the first of `fields` that `data` lacks or holds a wrong value for."""
+    for name, (valid, shown) in fields.items():
+        if name not in data or not valid(data[name]):
+            raise ValueError(f"{whose} {name!r} is missing or not {shown}")

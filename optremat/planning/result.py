@@ -246,8 +246,10 @@ class Plan:
         plan changed after it was saved, a malformed one)."""
         _check_header(data)
         _check_fields(data)
-        return cls(graph=_part("graph", Graph.from_json, data["graph"]),
-                   schedule=_part("schedule", Schedule.from_json, data["schedule"]),
+        graph = _part("graph", Graph.from_json, data["graph"])
+        schedule = _part("schedule", Schedule.from_json, data["schedule"])
+        _check_against_graph(graph, schedule, data["shared"])
+        return cls(graph=graph, schedule=schedule,
                    regions=tuple(Region.from_json(r) for r in data["regions"]),
                    shared=tuple((k, p) for k, p in data["shared"]),
                    mutated_buffers=tuple(data["mutated_buffers"]), parallel=_parallel_of(data["parallel"]),
@@ -435,6 +437,20 @@ def _part(name: str, read: Callable[[dict[str, Any]], Any], data: dict[str, Any]
         return read(data)
     except (ValueError, TypeError, KeyError, IndexError) as error:
         raise PlanFileError(f"the plan's {name} is malformed ({error}); {_MALFORMED}") from None
+
+
+def _check_against_graph(graph: Graph, schedule: Schedule, shared: list[list[int]]) -> None:
+    """Refuse a schedule or `shared` pairs that do not fit the plan's graph: a schedule
+    has one stage per node, and each pair names one of the schedule's events and a node
+    (indices that `decisions`, `summary` and the runtimes look up)."""
+    if schedule.num_stages != graph.n:
+        raise PlanFileError(f"the plan's schedule 'num_stages' is {schedule.num_stages} for a graph of {graph.n} "
+                            f"nodes (one stage per node); {_MALFORMED}")
+    events = len(schedule.node)
+    for event, node in shared:
+        if event >= events or node >= graph.n:
+            raise PlanFileError(f"the plan's 'shared' pair [{event}, {node}] names an event or node the plan lacks "
+                                f"(its schedule has {events} events, its graph {graph.n} nodes); {_MALFORMED}")
 
 
 _PARALLEL_FIELDS: dict[type | str, tuple[Callable[[Any], bool], str]] = {
