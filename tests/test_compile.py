@@ -106,6 +106,7 @@ def test_the_smallest_budget_an_infeasible_compile_names_compiles(name: str) -> 
         step(torch.compile(model, backend=optremat.compile_backend(0.05, inner="aot_eager", solver="greedy"),
                            dynamic=False), inputs, loss_fn)
     smallest = failed.value.inner_exception.smallest
+    assert "compiled graph 1 (" in str(failed.value.inner_exception), "the refusal names the graph"
     torch._dynamo.reset()
     backend = optremat.compile_backend(smallest, inner="aot_eager", solver="greedy")
     assert_same_step(expected, step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn))

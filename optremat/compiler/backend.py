@@ -189,7 +189,9 @@ class Partitioner(CustomPartitionerFn):
             best = min([self._as_compiled(step, least_plan(graph, share=self.share)), *others],
                        key=lambda c: c.predicted_peak_bytes)
             if best.predicted_peak_bytes > budget_bytes:
-                raise InfeasibleBudget(budget_bytes, best.predicted_peak_bytes, f"{self.solver} in a compiled step")
+                raise InfeasibleBudget(budget_bytes, best.predicted_peak_bytes,
+                                       f"{self.solver} in compiled graph {len(self.plans) + 1} (each graph a model "
+                                       "breaks into is planned under the whole budget)")
         best = replace(best, budget_bytes=budget_bytes, solve_seconds=time.perf_counter() - started,
                        compared=tuple((c.solver, c.predicted_peak_bytes, c.predicted_overhead) for c in others))
         if book is not None:
