@@ -608,3 +608,18 @@ def test_compiling_chooses_the_lm_head_chunks_with_the_plan() -> None:
     measured = measure_peak(lambda: step(compiled, inputs, loss_fn), resident=resident).peak_bytes
     assert measured <= 1.02 * plan.budget_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes
+
+
+def test_a_cached_compiled_plan_runs_the_loss_in_its_chunks(tmp_path) -> None:
+    """From the plan cache, a compile solves nothing and the loss still runs in the chunks
+    the cached plan chose."""
+    model, inputs, loss_fn, _ = lm_head_example("auto")
+    chosen = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        optremat.tracing.lm_loss.uninstall([model.head.weight])
+        backend = optremat.compile_backend(0.4, inner="aot_eager", solver="dtr", loss_fn=loss_fn, cache=tmp_path)
+        step(torch.compile(model, backend=backend, dynamic=False), inputs, loss_fn)
+        chosen.append((backend.plans[0].cached, backend.plans[0].chunking.chunks, loss_fn.running_chunks()))
+    assert chosen[0][0] is False and chosen[1][0] is True
+    assert chosen[0][1:] == chosen[1][1:] and chosen[0][1] == chosen[0][2] is not None
