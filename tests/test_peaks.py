@@ -139,6 +139,18 @@ class Heads(nn.Module):
         return self.out(torch.tanh(heads * 0.5).view(BATCH, 4 * WIDTH))
 
 
+class Gathered(nn.Module):
+    """A few columns gathered from a wide product: gather's autograd node saves the whole
+    product, though its formula reads only its shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, 8 * WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.gather(self.lin(x), 1, torch.arange(WIDTH).expand(x.shape[0], WIDTH))
+
+
 def framed(*blocks: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, WIDTH), *blocks, nn.Linear(WIDTH, 4)).double()
@@ -166,6 +178,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
     "the flash attention kernel's copy of a gradient laid out otherwise": (
         lambda: framed(Attention(heads_first=True)), (Region("1", 0),)),
     "a Python backward's temporaries dropped as its expressions read them": (lambda: framed(PythonBackward()), ()),
+    "gather's whole input held until its backward formula runs": (lambda: framed(Gathered()), ()),
     "a call's result held by the caller's variable through its views, in its rerun too": (
         lambda: framed(Heads()), (Region("1", 0),)),
     "a tuple's halves held while the caller runs, in its rerun too": (

@@ -10,8 +10,10 @@ import dataclasses
 import functools
 import inspect
 import io
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -306,3 +308,66 @@ def test_a_dataclass_output_is_held_as_a_dict_output_is() -> None:
         plans[as_dataclass] = optremat.plan(model, inputs, 0.8, loss_fn=last, solver="greedy")
     assert plans[True].baseline_peak_bytes == plans[False].baseline_peak_bytes
     assert plans[True].predicted_peak_bytes == plans[False].predicted_peak_bytes
+
+
+class HostNoise(nn.Module):
+    """A block masking its input with numbers from numpy's or Python's generator, as
+    SpecAugment does in transformers' speech models."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.source == "numpy":
+            keep = torch.from_numpy(np.random.rand(*x.shape) > 0.3)
+        else:
+            keep = torch.tensor([[random.random() > 0.3 for _ in range(x.shape[1])] for _ in range(x.shape[0])])
+        return torch.tanh(self.lin(x * keep))
+
+
+@pytest.mark.parametrize("source", ["numpy", "python"])
+def test_a_call_drawing_from_numpy_or_python_random_is_never_checkpointed(source: str) -> None:
+    """Checkpoint restores torch's generators only: such a call's rerun would draw other
+    numbers. Planning leaves both generators as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (HostNoise(source), nn.Sequential(
+        nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)))]).double()
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+
+    def seeded_step(m: nn.Module) -> tuple:
+        np.random.seed(0)
+        random.seed(0)
+        return step(m, inputs)
+
+    want = seeded_step(model)
+    states = np.random.get_state()[1].copy(), random.getstate()
+    plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert np.array_equal(np.random.get_state()[1], states[0]) and random.getstate() == states[1]
+    assert plan.regions, "the test needs a plan that checkpoints something"
+    assert all(parse_span(r.path) is None and int(r.path.split(".")[0]) % 2 for r in plan.regions)
+    assert_same(seeded_step(optremat.apply(model, plan)), want)
+
+
+def test_a_reentrant_checkpoint_or_a_sparse_gradient_is_refused_naming_it() -> None:
+    """A reentrant checkpoint's backward runs outside the graph a trace follows, and a
+    sparse gradient is not priced: both are refused by name, not traced wrong."""
+    class Reentrant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+
+    x = torch.randn(8, 64)
+    with pytest.raises(optremat.ExtractionError, match="use_reentrant=False"):
+        optremat.plan(nn.Sequential(Reentrant(), nn.Tanh()), (x,), 0.8, loss_fn=loss_fn)
+    x.requires_grad_(False)
+    model = nn.Sequential(nn.Embedding(100, 64, sparse=True), nn.Linear(64, 64))
+    with pytest.raises(optremat.ExtractionError, match="sparse=False"):
+        optremat.plan(model, (torch.randint(0, 100, (8, 4)),), 0.8, loss_fn=loss_fn)
+    block = Reentrant()
+    block(torch.randn(8, 64, requires_grad=True)).sum().backward()  # the refusal leaves checkpoint as it was
+    assert block.lin.weight.grad is not None

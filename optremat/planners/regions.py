@@ -100,7 +100,8 @@ class RegionMap:
     memory and `buffers` the node of each buffer the forward writes (by its name in
     `named_buffers`): see `stash`. `not_rerun` are the calls checkpoint cannot rerun as
     they ran (handed a key/value cache made outside them, `tracing.kv_cache`, or drawing
-    from their own `torch.Generator`): no region is one of them or spans one."""
+    from a generator it does not restore: their own `torch.Generator`, numpy's, Python's
+    `random`): no region is one of them or spans one."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]

@@ -275,8 +275,8 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
                          "again: leave it out, or set use_cache=False")
     drawing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) in traced.generator_calls]
     if drawing:
-        raise ValueError(f"{', '.join(drawing)} draws random numbers from its own torch.Generator, which checkpoint "
-                         "does not restore for the rerun: leave it out")
+        raise ValueError(f"{', '.join(drawing)} draws random numbers from a generator checkpoint does not restore "
+                         "for the rerun (its own torch.Generator, numpy's or Python's random): leave it out")
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
     graph = rmap.graph

@@ -13,17 +13,19 @@ the traced step's, and PyTorch's chunked `linear_cross_entropy` is recorded op b
 from __future__ import annotations
 
 import operator
+import random
 import re
 import threading
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -131,6 +133,10 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     trainable = [name for name, p in params.items() if p.requires_grad]
     if not trainable:
         raise ExtractionError(f"{type(model).__name__} has no parameter that requires grad: there is no backward to plan")
+    sparse = [path for path, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ExtractionError(f"module '{sparse[0]}' makes a sparse gradient (sparse=True), which optremat does not "
+                              "price: build it with sparse=False")
 
     grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
 
@@ -152,12 +158,17 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
     cached: set[tuple[str, int]] = set()
+    host_drawing: set[tuple[str, int]] = set()
     python: set[int] = set()
-    with _tracing(), _grouped_mm_in_any_float(), eager_mask_decisions(tree_leaves(args)), \
-            _module_paths(model, cached) as where, _python_holds(model) as holds, fx_traceback.preserve_node_meta():
+    with _tracing(), _host_random_kept(), _reentrant_checkpoint_refused(), _grouped_mm_in_any_float(), \
+            eager_mask_decisions(tree_leaves(args)), \
+            _module_paths(model, cached, host_drawing) as where, _python_holds(model) as holds, \
+            fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
                          decomposition_table=DECOMPOSITIONS)(*args)
+        except ExtractionError:
+            raise
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, where())) from error
 
@@ -183,7 +194,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                   for node, kind, backward in zip(nodes, graph.kind, graph.backward.tolist()))
     random = tuple(torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) for node in nodes)
     drawing = frozenset(call for node, stack in zip(nodes, calls) if node.kwargs.get("generator") is not None
-                        for call in stack)
+                        for call in stack) | host_drawing
     index = {name: i for i, name in enumerate(graph.names)}
     gradient_nodes = tuple(index[node.name] for node in results[len(results) - len(structure["gradients"]):])
     grad_of = _grad_of(gm, graph)
@@ -191,7 +202,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     graph = replace(graph, module=tuple(graph.module[int(f)] if f >= 0 and graph.module[int(f)] else m
                                         for m, f in zip(graph.module, grad_of)),
                     lives_to=_lives_to(graph, holds, index, formulas, python, calls),
-                    edges=_formula_reads(graph, formulas.values()),
+                    edges=_formula_reads(graph, formulas, gm, grad_of),
                     size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes,
@@ -472,11 +483,14 @@ def _grad_of(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
 
 
 @contextmanager
-def _module_paths(model: nn.Module, cached: set[tuple[str, int]]) -> Iterator[Callable[[], str]]:
+def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[tuple[str, int]]
+                  ) -> Iterator[Callable[[], str]]:
     """Tag traced nodes with the path of the module running them and the stack of module
     calls (path, call number) around them; add to `cached` each call handed a key/value
-    cache (`kv_cache`)."""
+    cache (`kv_cache`), and to `drawing` each call that draws from numpy's or Python's
+    random numbers (their state changed while it ran), which checkpoint does not restore."""
     stack: list[tuple[str, int]] = [("", 0)]
+    states: list[Any] = []
     count: dict[str, int] = {}
 
     def tag() -> None:
@@ -485,6 +499,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]]) -> Iterator[Ca
     def enter(path: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
+            states.append(_host_random())
             count[path] = count.get(path, 0) + 1
             if receives_cache(args, kwargs):
                 cached.add(stack[-1])
@@ -492,6 +507,8 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]]) -> Iterator[Ca
         return hook
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if not _same_host_random(states.pop(), _host_random()):
+            drawing.add(stack[-1])
         stack.pop()
         tag()
 
@@ -505,6 +522,47 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]]) -> Iterator[Ca
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def _reentrant_checkpoint_refused() -> Iterator[None]:
+    """While tracing, an ExtractionError from `torch.utils.checkpoint(use_reentrant=True)`:
+    its backward runs outside the autograd graph `torch.autograd.grad` follows, so the
+    trace would compute no gradient through it (or fail)."""
+    function = torch.utils.checkpoint.CheckpointFunction
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ExtractionError("the model runs torch.utils.checkpoint with use_reentrant=True, whose backward a trace "
+                              "cannot follow: use use_reentrant=False (transformers: gradient_checkpointing_enable("
+                              "gradient_checkpointing_kwargs={'use_reentrant': False})), or turn the model's own "
+                              "checkpointing off and let the plan choose")
+
+    function.apply = refuse
+    try:
+        yield
+    finally:
+        del function.apply
+
+
+def _host_random() -> tuple[Any, Any]:
+    """The states of numpy's and Python's global random number generators."""
+    return np.random.get_state(), random.getstate()
+
+
+def _same_host_random(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    return a[1] == b[1] and a[0][2:] == b[0][2:] and np.array_equal(a[0][1], b[0][1])
+
+
+@contextmanager
+def _host_random_kept() -> Iterator[None]:
+    """Leave numpy's and Python's random number generators as they were: tracing runs the
+    model's Python, and a draw there would change what training draws next."""
+    numpy_state, python_state = _host_random()
+    try:
+        yield
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
 
 
 @contextmanager
@@ -617,15 +675,28 @@ def _formulas(gm: torch.fx.GraphModule, index: dict[str, int]) -> dict[int, list
     return formulas
 
 
-def _formula_reads(graph: Graph, formulas: Iterable[list[int]]) -> np.ndarray:
+SAVED_WHOLE = {torch.ops.aten.gather.default: 0}
+"""Ops whose autograd node saves an argument (by position) that its formula, as traced,
+reads only for its shape: eager holds the whole tensor until the formula runs."""
+
+
+def _formula_reads(graph: Graph, formulas: dict[int, list[int]], gm: torch.fx.GraphModule,
+                   grad_of: np.ndarray) -> np.ndarray:
     """`graph`'s edges, and one from each input of a backward formula to the formula's last
     op: the engine holds what an autograd node saved, and the gradient it was passed,
     until the node's whole formula has returned, whichever computation of a tensor it read
-    (the forward's, or a checkpoint's recomputation)."""
+    (the forward's, or a checkpoint's recomputation); so too for the arguments
+    `SAVED_WHOLE` names, which the traced formula does not read."""
     edges = set(map(tuple, graph.edges.tolist()))
-    for ops in formulas:
+    index = {name: i for i, name in enumerate(graph.names)}
+    nodes = {node.name: node for node in gm.graph.nodes}
+    for ops in formulas.values():
         inside, last = set(ops), max(ops)
         edges |= {(p, last) for v in ops for p in graph.preds[v].tolist() if p not in inside}
+        forward = nodes[graph.names[grad_of[ops[0]]]] if grad_of[ops[0]] >= 0 else None
+        saved = SAVED_WHOLE.get(getattr(forward, "target", None))
+        if saved is not None and isinstance(forward.args[saved], torch.fx.Node):
+            edges.add((index[forward.args[saved].name], last))
     array = np.array(sorted(edges), dtype=np.int64).reshape(-1, 2)
     array.setflags(write=False)
     return array
@@ -637,12 +708,17 @@ def accumulated_in_place(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.
     adds into the first gradient where nothing else holds it (a dense tensor of its own,
     not a view, which keeps its base, and read by nothing else), else into the second,
     else makes a new one; a trace on fake tensors, a tensor subclass, always records a new
-    one."""
+    one. So too for a backward formula's `scatter_add_` into zeros of its own (gather's),
+    which the trace records out of place."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     kept = set(tree_leaves(output.args[0]))
     found = {}
     for node in gm.graph.nodes:
         custom = node.meta.get("custom", {})
+        if node.target is torch.ops.aten.scatter_add.default and custom.get(f"{_MARK}_phase") == "backward" \
+                and getattr(node.args[0], "target", None) is torch.ops.aten.new_zeros.default \
+                and _held_only_by(node.args[0], node, kept):
+            found[node] = node.args[0]
         if node.target is not torch.ops.aten.add.Tensor or custom.get(f"{_MARK}_phase") != "backward" \
                 or custom.get(f"{_MARK}_grad_of") is not None:
             continue

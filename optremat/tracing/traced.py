@@ -24,8 +24,8 @@ class Traced:
     names the parameters whose gradients the step returns, in order, and `gradient_nodes`
     the Graph nodes holding them. `cached_calls` are the module calls handed a key/value
     cache (`tracing.kv_cache`) and `generator_calls` those drawing random numbers from a
-    `torch.Generator` of their own, which checkpoint does not restore for a rerun: neither
-    is ever checkpointed.
+    generator checkpoint does not restore for a rerun (a `torch.Generator` of their own,
+    numpy's or Python's `random`): neither is ever checkpointed.
     """
 
     module: torch.fx.GraphModule
