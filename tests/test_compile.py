@@ -623,3 +623,25 @@ def test_a_cached_compiled_plan_runs_the_loss_in_its_chunks(tmp_path) -> None:
         chosen.append((backend.plans[0].cached, backend.plans[0].chunking.chunks, loss_fn.running_chunks()))
     assert chosen[0][0] is False and chosen[1][0] is True
     assert chosen[0][1:] == chosen[1][1:] and chosen[0][1] == chosen[0][2] is not None
+
+
+@pytest.mark.slow
+def test_inductor_frees_a_dead_buffer_where_the_plan_does() -> None:
+    """Inductor's buffer reuse would keep a dead buffer allocated until a later one of its
+    size takes it over: a plan filled up to its budget (gpt-mini, its head in 2 chunks,
+    at 63 MiB) measured 1.022 of its price, gpt-mini's MLP tensors alive through an
+    attention backward. Compiled by optremat, it frees it at its last use."""
+    torch.manual_seed(0)
+    model = HiddenGPT(vocab=8192, seq=256, dim=256, layers=4, heads=4)
+    idx, labels = torch.randint(0, 8192, (2, 4, 256))
+    loss_fn = optremat.CausalLMLoss(model.head, labels, chunks=2)
+    backend = optremat.compile_backend(63 * 2**20, inner="inductor", loss_fn=loss_fn, time_limit=10,
+                                       deterministic=True)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    params = list(model.parameters())
+    torch.autograd.grad(loss_fn(compiled(idx)), params)
+    measured = measure_peak(lambda: torch.autograd.grad(loss_fn(compiled(idx)), params),
+                            resident=[params, idx, labels]).peak_bytes
+    plan = backend.plans[0]
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.002 * plan.predicted_peak_bytes
+    assert measured <= plan.budget_bytes
