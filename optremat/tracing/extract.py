@@ -537,11 +537,15 @@ def _reentrant_checkpoint_refused() -> Iterator[None]:
                               "gradient_checkpointing_kwargs={'use_reentrant': False})), or turn the model's own "
                               "checkpointing off and let the plan choose")
 
+    before = function.__dict__.get("apply")
     function.apply = refuse
     try:
         yield
     finally:
-        del function.apply
+        if before is None:
+            del function.apply
+        else:
+            function.apply = before
 
 
 def _host_random() -> tuple[Any, Any]:
