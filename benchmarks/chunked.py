@@ -34,6 +34,7 @@ timed on this machine instead (best of three, alone, so in cache).
 from __future__ import annotations
 
 import argparse
+import copy
 import contextlib
 import platform
 import sys
@@ -49,6 +50,7 @@ import optremat
 from benchmarks.native import LLAMA, _time, compiled_plan
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, hf_checkpointing, torch_budget_backend, under
+from optremat.compiler.backend import Backend
 from optremat.core.graph import format_bytes
 from optremat.models import HiddenGPT
 from optremat.runtime.measure import measure_peak, resident_bytes
@@ -60,13 +62,19 @@ HEADER = ["method", "budget", "head", "module calls checkpointed", "predicted pe
 SHAPE = dict(vocab=8192, seq=256, dim=256, layers=4, heads=4)
 GPT_SMALL = dict(vocab=50257, seq=1024, dim=768, layers=12, heads=12)
 BATCH = 4
+TORCH_BUDGET = 0.3
+"""PyTorch's `activation_memory_budget` compared with."""
 LLAMA_PAGE = """The model is `benchmarks.native`'s CPU Llama (transformers' `LlamaForCausalLM` from its
 config: vocabulary 8192, 256 tokens, width 256, 4 layers, batch 4, tied embeddings)
 called as `model(input_ids=ids, labels=ids)`, its loss its own `outputs.loss`, its output
 held through the backward as a training loop holds it (with the whole head, its logits).
 Rows: the unplanned step; transformers' `gradient_checkpointing_enable()`
-(non-reentrant); optremat planned with no `loss_fn` (`head_chunks="auto"`: its own head
-and loss whole or in token chunks) at that peak and at 85%, 70% and 55% of it. The least
+(non-reentrant); the step (model and its own loss) under `torch.compile` with PyTorch's
+`activation_memory_budget=0.3` (aot_eager_decomp_partition); optremat planned with no
+`loss_fn` (`head_chunks="auto"`: its own head and loss whole or in token chunks) at each
+of those peaks and at 85%, 70% and 55% of the first; `optremat.compile_causal_lm` with
+`compile_backend` (Inductor) on a copy of the model (its base model compiled, its own
+head and loss run after it in the chunks the plan chooses) at each peer's peak. The least
 peaks and step times as for gpt-mini (`python -m benchmarks.chunked`)."""
 """The Llama page's description, after its command line."""
 
@@ -86,7 +94,7 @@ def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tens
 
 def gpt_mini(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
     """gpt-mini returning hidden states (`gpt`)."""
-    return gpt(SHAPE, BATCH, rounds, limit, torch_budget=0.3, cost_model=cost_model, inner="inductor")
+    return gpt(SHAPE, BATCH, rounds, limit, torch_budget=TORCH_BUDGET, cost_model=cost_model, inner="inductor")
 
 
 def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
@@ -126,9 +134,12 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         forward = torch.compile(lambda ids: whole(model(ids)), backend=torch_budget_backend(torch_budget))
         peers[f"PyTorch activation_memory_budget {torch_budget:g} (torch.compile)"] = (
             "whole", lambda: torch.autograd.grad(forward(idx), params))
+    def compiled_step(backend: Backend) -> Step:
+        forward = torch.compile(model, backend=backend, dynamic=False)
+        return lambda: torch.autograd.grad(auto(forward(idx)), params)
+
     compiled = None if inner is None else (lambda label, budget, measured: compiled_plan(
-        model, auto, label, budget, inner, limit, cost_model,
-        lambda forward: lambda: torch.autograd.grad(auto(forward(idx)), params), measured))
+        auto, label, budget, inner, limit, cost_model, compiled_step, measured))
     return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, cost_model=cost_model),
                    dict(loss_fn=auto, cost_model=cost_model), rounds, limit, device, fractions, least_peaks, labels,
                    compiled)
@@ -156,8 +167,22 @@ def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[l
         with hf_checkpointing(model):
             return step()
 
-    return compare(model, inputs, step, step, {"gradient_checkpointing_enable()": ("whole", per_block)},
-                   dict(head_chunks=None, cost_model=cost_model), dict(cost_model=cost_model), rounds, limit)
+    whole = torch.compile(lambda: model(**inputs).loss, backend=torch_budget_backend(TORCH_BUDGET))
+
+    def compiled_step(backend: Backend) -> Step:
+        """The step of a copy of the model (its plan installed on it alone) under `compile_causal_lm`."""
+        planned = optremat.compile_causal_lm(copy.deepcopy(model), backend)
+        weights = list(planned.parameters())
+        return lambda: torch.autograd.grad(planned(**inputs).loss, weights)
+
+    peers = {"gradient_checkpointing_enable()": ("whole", per_block),
+             f"PyTorch activation_memory_budget {TORCH_BUDGET:g} (torch.compile)": (
+                 "whole", lambda: torch.autograd.grad(whole(), params))}
+    return compare(model, inputs, step, step, peers, dict(head_chunks=None, cost_model=cost_model),
+                   dict(cost_model=cost_model), rounds, limit,
+                   compiled=lambda label, budget, measured: compiled_plan(
+                       None, label, budget, "inductor", limit, cost_model, compiled_step, measured,
+                       "optremat compile_causal_lm"))
 
 
 def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, peers: dict[str, tuple[str, Step]],

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 import optremat
 from benchmarks.report import keep_compiled, write_rows
 from optremat.bench import checkpointed_blocks, hf_checkpointing, repeated_blocks, torch_budget_backend, under
+from optremat.compiler.backend import Backend
 from optremat.core.graph import format_bytes
 from optremat.models import build
 from optremat.runtime.measure import measure_peak, step_resident
@@ -196,8 +197,9 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
         if fraction < 1.0:
             budgets.append((f"= torch {fraction:g}", peak, True))
             methods[f"compile_backend = torch {fraction:g}"] = compiled_plan(
-                model, compiled_loss(case, name), f"= torch {fraction:g}", peak,
-                "inductor" if backend == "inductor" else "aot_eager", limit, cost_model, step_of, measured)
+                compiled_loss(case, name), f"= torch {fraction:g}", peak,
+                "inductor" if backend == "inductor" else "aot_eager", limit, cost_model,
+                lambda planned: step_of(torch.compile(model, backend=planned, dynamic=False)), measured)
     budgets += [(f"{f:.0%}", f, True) for f in (0.5, 0.7, 0.9)]
     for label, budget, with_loss in budgets:
         started = time.perf_counter()
@@ -244,17 +246,18 @@ def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], r
             fields["optremat / peer (median)"] = f"{statistics.median(m / p for m, p in zip(seconds[key], seconds[peer])):.3f}"
 
 
-def compiled_plan(model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], label: str, budget: int,
-                  inner: str, limit: float, cost_model: str, step_of: Callable[[torch.nn.Module], Callable[[], Any]],
-                  measured: Callable[[Callable[[], Any]], int]) -> tuple[Callable[[], Any] | None, dict[str, str]]:
-    """`optremat.compile_backend` on `model` at `budget` bytes (`label` names it), pricing
-    `loss_fn`: its step (None when infeasible) and its row's fields. Where the plan chose
-    the LM head's chunks, the step installs them before each run, as other rows' plans
-    install theirs on the same head."""
+def compiled_plan(loss_fn: Callable[[Any], torch.Tensor] | None, label: str, budget: int, inner: str, limit: float,
+                  cost_model: str, compiled_step: Callable[[Backend], Callable[[], Any]],
+                  measured: Callable[[Callable[[], Any]], int], method: str = "optremat compile_backend"
+                  ) -> tuple[Callable[[], Any] | None, dict[str, str]]:
+    """`optremat.compile_backend` at `budget` bytes (`label` names it), pricing `loss_fn`:
+    the step `compiled_step(backend)` makes (None when infeasible) and its row's fields.
+    Where the plan chose the chunks of a `loss_fn`'s LM head, the step installs them
+    before each run, as other rows' plans install theirs on the same head."""
     backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=loss_fn, cost_model=cost_model)
-    method = f"optremat compile_backend ({inner})"
+    method = f"{method} ({inner})"
     started = time.perf_counter()
-    step = step_of(torch.compile(model, backend=backend, dynamic=False))
+    step = compiled_step(backend)
     try:
         peak = measured(step)
     except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -263,7 +266,7 @@ def compiled_plan(model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor]
         smallest = format_bytes(error.inner_exception.smallest)
         return None, {"method": method, "budget": label, "predicted peak": f"infeasible (smallest {smallest})"}
     plan = backend.plans[0]
-    if plan.chunking is not None:
+    if plan.chunking is not None and loss_fn is not None:
         step = _installing(step, loss_fn, plan.chunking.chunks)
     return step, {"method": method, "budget": label, "predicted peak": format_bytes(plan.predicted_peak_bytes),
                   "head": "whole" if plan.chunking is None or plan.chunking.chunks is None

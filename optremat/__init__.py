@@ -28,6 +28,7 @@ _ON_FIRST_USE = {
     "apply": "optremat.runtime.apply", "Replanning": "optremat.runtime.apply", "remove": "optremat.runtime.apply",
     "PlanMismatch": "optremat.runtime.native",
     "compile_backend": "optremat.compiler.backend", "KnapsackSolver": "optremat.compiler.knapsack",
+    "compile_causal_lm": "optremat.compiler.causal_lm",
 }
 """Exported names that need torch and the modules that hold them, imported when first asked for."""
 
@@ -68,6 +69,7 @@ __all__ = [
     "Solution",
     "apply",
     "compile_backend",
+    "compile_causal_lm",
     "extract",
     "from_computations",
     "from_kept",

@@ -625,6 +625,54 @@ def test_a_cached_compiled_plan_runs_the_loss_in_its_chunks(tmp_path) -> None:
     assert chosen[0][1:] == chosen[1][1:] and chosen[0][1] == chosen[0][2] is not None
 
 
+def tiny_llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A transformers Llama with its own, untied LM head, and a batch with labels."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      use_cache=False, tie_word_embeddings=False)
+    ids = torch.randint(0, 4096, (2, 128))
+    return transformers.LlamaForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def own_loss_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = model(**batch)
+    return out.loss.detach(), [g.detach() for g in torch.autograd.grad(out.loss, list(model.parameters()))]
+
+
+def test_a_compiled_causal_lm_runs_its_own_loss_in_the_chunks_the_plan_chooses() -> None:
+    """`compile_causal_lm`: the base model compiled, the model's own loss after it in the
+    chunks the plan chose; the same loss and gradients as the unplanned model, the logits
+    not kept, and the measured peak as priced, the head's weight (outside the compiled
+    graph) resident through the step."""
+    model, batch = tiny_llama()
+    expected = own_loss_step(copy.deepcopy(model), batch)
+    backend = optremat.compile_backend(0.5, inner="aot_eager", solver="dtr")
+    assert optremat.compile_causal_lm(model, backend) is model
+    assert model(**batch).logits is None
+    assert_same_step(expected, own_loss_step(model, batch))
+    plan = backend.plans[0]
+    assert plan.chunking.chunks is not None and "token chunks" in plan.summary()
+    measured = measure_peak(lambda: own_loss_step(model, batch), resident=[list(model.parameters()), batch]).peak_bytes
+    assert measured <= 1.02 * plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+    with torch.no_grad():
+        assert model(**batch).logits is not None  # not a training step: the model's own forward
+    optremat.remove(model)
+    assert model(**batch).logits is not None
+
+
+def test_compile_causal_lm_refuses_what_it_cannot_run() -> None:
+    model, batch = tiny_llama()
+    with pytest.raises(ValueError, match="transformers causal LM"):
+        optremat.compile_causal_lm(deep_mlp()[0], optremat.compile_backend(0.5))
+    with pytest.raises(ValueError, match="loss_fn"):
+        optremat.compile_causal_lm(model, optremat.compile_backend(0.5, loss_fn=lambda out: out.sum()))
+    with pytest.raises(TypeError, match="compile_backend"):
+        optremat.compile_causal_lm(model, "inductor")
+
+
 @pytest.mark.slow
 def test_inductor_frees_a_dead_buffer_where_the_plan_does() -> None:
     """Inductor's buffer reuse would keep a dead buffer allocated until a later one of its

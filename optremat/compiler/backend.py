@@ -53,8 +53,9 @@ class Partitioner(CustomPartitionerFn):
     """Plans each joint graph AOTAutograd compiles and partitions it as planned.
 
     `plans` lists the plan of every graph partitioned, in order (a plan loaded from the
-    cache has `cached` set); `uuid()` names the configuration, so that Inductor's caches
-    never hand one configuration's graphs to another.
+    cache has `cached` set); `graph_inputs` holds the ids of the tensors the graph being
+    compiled takes (`read_joint`); `uuid()` names the configuration, so that Inductor's
+    caches never hand one configuration's graphs to another.
     """
 
     budget: int | float | str
@@ -71,6 +72,7 @@ class Partitioner(CustomPartitionerFn):
     order: str = "traced"
     cost_model: str = "roofline"
     plans: list[Plan] = field(default_factory=list)
+    graph_inputs: frozenset[int] = frozenset()
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -84,7 +86,7 @@ class Partitioner(CustomPartitionerFn):
         static = list(kwargs.get("static_lifetime_input_indices") or [])
 
         def read(loss_fn: Callable[[Any], torch.Tensor] | None) -> JointStep:
-            step = read_joint(gm, num_fwd_outputs, static, profile, loss_fn, self.cost_model)
+            step = read_joint(gm, num_fwd_outputs, static, profile, loss_fn, self.cost_model, self.graph_inputs)
             return inductor_step(step, profile) if self.inline else step
 
         lm = self.loss_fn if isinstance(self.loss_fn, CausalLMLoss) and self.loss_fn.chunks == AUTO else None
@@ -308,6 +310,7 @@ class Backend:
         return self.partitioner.plans
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        self.partitioner.graph_inputs = frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor))
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -37,6 +37,10 @@ from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, LossPrice, a
 
 LOSS = "optremat_loss"
 """The name of the Graph node that stands for the loss."""
+
+OUTSIDE = "optremat_outside"
+"""The name of the Graph node that stands for the tensors outside the compiled graph that
+the loss reads and takes gradients for (a head's weight): resident through the step."""
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,14 @@ class JointStep:
 
 def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int],
                profile: DeviceProfile, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-               cost_model: str = "roofline") -> JointStep:
+               cost_model: str = "roofline", graph_inputs: Collection[int] = ()) -> JointStep:
     """The step `joint` computes, with room for the loss computed on its forward outputs
     between its forward and its backward (`loss_fn`, or a cross-entropy over the largest
     output's last dimension, `extract.assumed_loss`, when none is given). Its ops cost what
     the roofline over `profile` says, or with `cost_model="profile"` what they take when
-    timed here (`timed_costs`)."""
+    timed here (`timed_costs`). A tensor the loss takes a gradient for that is not among
+    the compiled graph's inputs (`graph_inputs`, the ids of the tensors it was compiled
+    with: an LM head outside it) is resident through the step, a node `OUTSIDE`."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     if any(not _is_primal(n) and not _is_tangent(n) for n in placeholders):
         names = [n.name for n in placeholders if not _is_primal(n) and not _is_tangent(n)]
@@ -111,6 +117,11 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
         loss = _loss_price([n.meta["val"] for n in tangents], loss_fn, profile, cost_model)
         graph = _with_loss_node(graph, at, [ordered.index(n) for n in handed], loss, len(tangents))
         fixed.insert(at, False)
+        resident = sum(t.numel() * t.element_size() for t in loss.outside if id(t) not in graph_inputs)
+        if resident:
+            graph = _with_node(graph, len(primals), name=OUTSIDE, op="outside", kind="param", size=resident,
+                               backward=False, output=False)
+            fixed.insert(len(primals), False)
     return JointStep(graph, {n.name: n for n in ordered}, np.array(fixed, dtype=bool),
                      frozenset(n.name for n in mutated))
 
@@ -145,6 +156,17 @@ def _loss_price(tangent_values: list[Any], loss_fn: Callable[[Any], torch.Tensor
 def _with_loss_node(graph: Graph, at: int, reads: list[int], loss: LossPrice, gradients: int) -> Graph:
     """`graph` with the loss (see `JointStep`) inserted as node `at`, reading `reads` and
     producing the `gradients` nodes that had indices `at` onwards."""
+    # the node holds its size from when it runs and its workspace while it runs: the gradients
+    # outside the graph, made by the loss's end, are held on, and its peak stays the loss's own
+    return _with_node(graph, at, name=LOSS, op="loss", kind="op", cost=loss.cost, size=loss.gradients,
+                      workspace=max(loss.bytes - loss.gradients, 0), backward=True, output=True, reads=reads,
+                      feeds=[at + k for k in range(gradients)])
+
+
+def _with_node(graph: Graph, at: int, *, name: str, op: str, kind: str, size: int, backward: bool, output: bool,
+               cost: float = 0.0, workspace: int = 0, reads: Sequence[int] = (), feeds: Sequence[int] = ()) -> Graph:
+    """`graph` with a node of no fx node inserted at index `at`, reading the nodes
+    `reads` and read by `feeds` (indices before the insertion)."""
     def shifted(i: int) -> int:
         return i + (i >= at)
 
@@ -153,16 +175,14 @@ def _with_loss_node(graph: Graph, at: int, reads: list[int], loss: LossPrice, gr
         out.insert(at, value)
         return out
 
-    # the node holds its size from when it runs and its workspace while it runs: the gradients
-    # outside the graph, made by the loss's end, are held on, and its peak stays the loss's own
     edges = ([(shifted(a), shifted(b)) for a, b in graph.edges.tolist()]
-             + [(shifted(r), at) for r in reads] + [(at, at + 1 + k) for k in range(gradients)])
-    return Graph.build(names=column(graph.names, LOSS), ops=column(graph.ops, "loss"), cost=column(graph.cost, loss.cost),
-                       size=column(graph.size, loss.gradients), backward=column(graph.backward, True),
-                       kind=column(graph.kind, "op"), module=column(graph.module, ""),
+             + [(shifted(r), at) for r in reads] + [(at, shifted(f)) for f in feeds])
+    return Graph.build(names=column(graph.names, name), ops=column(graph.ops, op), cost=column(graph.cost, cost),
+                       size=column(graph.size, size), backward=column(graph.backward, backward),
+                       kind=column(graph.kind, kind), module=column(graph.module, ""),
                        alias_of=column([shifted(a) if a >= 0 else -1 for a in graph.alias_of.tolist()], -1),
-                       output=column(graph.output, True), edges=edges, fusible=column(graph.fusible, False),
-                       workspace=column(graph.workspace, max(loss.bytes - loss.gradients, 0)), tensor=column(graph.tensor, ""))
+                       output=column(graph.output, output), edges=edges, fusible=column(graph.fusible, False),
+                       workspace=column(graph.workspace, workspace), tensor=column(graph.tensor, ""))
 
 
 def _mutated_inputs(joint: torch.fx.GraphModule, primals: list[torch.fx.Node]) -> set[torch.fx.Node]:

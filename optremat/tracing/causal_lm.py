@@ -120,14 +120,17 @@ def own_chunks(model: nn.Module, chunks: int | None) -> int | None:
 @dataclass(frozen=True)
 class HeadInChunks:
     """A causal LM's forward (one of `FORWARDS`) with its head and loss run by
-    `CausalLMLoss` in `chunks` token chunks, returning the forward's output with
-    `logits` None (a tuple keeps their place, as None); a call that computes no loss runs
-    the model's own forward. Called as `HeadInChunks(k)(model, forward, *args, **kwargs)`,
-    `forward` being the model's own. A head or loss changed since the plan was made (a
-    hook added to the head, which a trace's own hooks are not) runs the model's own
-    forward too, with a warning."""
+    `CausalLMLoss` in `chunks` token chunks ("auto": those a plan installs for the head),
+    returning the forward's output with `logits` None (a tuple keeps their place, as
+    None); a call that computes no loss runs the model's own forward. Called as
+    `HeadInChunks(k)(model, forward, *args, **kwargs)`, `forward` being the model's own.
+    `base`, given the loss the call computes, returns what runs the base model (the
+    model's own `base_model` when None; a compiled one, `compile_causal_lm`). A head or
+    loss changed since the plan was made (a hook added to the head, which a trace's own
+    hooks are not) runs the model's own forward too, with a warning."""
 
-    chunks: int
+    chunks: int | str
+    base: Callable[[CausalLMLoss], Callable[..., Any]] | None = None
 
     def __call__(self, model: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         call = _loss_call(model, args, kwargs)
@@ -140,13 +143,14 @@ class HeadInChunks:
         arguments, extra, labels = call
         passed = extra.pop("return_dict", None)  # as transformers' can_return_tuple reads it
         return_dict = getattr(model.config, "return_dict", True) if passed is None else passed
-        outputs = model.base_model(**arguments, **extra)
         softcap = FORWARDS[_defining(type(model)).__name__]
-        loss = CausalLMLoss(model.get_output_embeddings(), labels, ignore_index=extra.get("ignore_index", -100),
-                            shift=extra.get("shift_labels") is None,
-                            num_items_in_batch=extra.get("num_items_in_batch"),
-                            softcap=None if softcap is None else getattr(model.config, softcap, None),
-                            chunks=self.chunks)(outputs.last_hidden_state)
+        loss_fn = CausalLMLoss(model.get_output_embeddings(), labels, ignore_index=extra.get("ignore_index", -100),
+                               shift=extra.get("shift_labels") is None,
+                               num_items_in_batch=extra.get("num_items_in_batch"),
+                               softcap=None if softcap is None else getattr(model.config, softcap, None),
+                               chunks=self.chunks)
+        outputs = (model.base_model if self.base is None else self.base(loss_fn))(**arguments, **extra)
+        loss = loss_fn(outputs.last_hidden_state)
         result = _signature(type(model)).return_annotation
         kept = {f.name: getattr(outputs, f.name, None) for f in fields(result) if f.name not in ("loss", "logits")}
         output = result(loss=loss, logits=None, **kept)

@@ -213,11 +213,14 @@ class LossPrice(NamedTuple):
     """What a loss run by eager autograd on a model's output holds at its peak beyond the
     output (`bytes`), what its forward and backward cost (`cost`, seconds), and the bytes
     of the gradients it gives tensors other than the output (`gradients`: a head's weight
-    it reads, whose gradient autograd holds from the loss's backward to the step's end)."""
+    it reads, whose gradient autograd holds from the loss's backward to the step's end),
+    and those tensors (`outside`), resident through the step wherever they are not also
+    inputs of the step priced with the loss."""
 
     bytes: int
     cost: float
     gradients: int
+    outside: tuple[torch.Tensor, ...] = ()
 
 
 def output_loss_price(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, device: str | DeviceProfile = "cpu",
@@ -228,13 +231,15 @@ def output_loss_price(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, devic
     (`out = model(x)`; the output's gradient counts as the loss's own), and its cost."""
     graph = trace(_Output(out), (), loss_fn, device=device, cost_model=cost_model).graph
     held = np.unique(graph.storage_root[graph.pinned])
+    outside = _outside_leaves(out, loss_fn)
     return LossPrice(max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0),
-                     graph.total_cost, _outside_gradient_bytes(out, loss_fn))
+                     graph.total_cost, sum(t.numel() * t.element_size() for t in outside), outside)
 
 
-def _outside_gradient_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor]) -> int:
-    """The bytes of the gradients `loss_fn` on `out` gives leaf tensors outside `out` (the
-    autograd graph's accumulators of tensors it closes over), found on fake tensors."""
+def _outside_leaves(out: Any, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The leaf tensors outside `out` that `loss_fn` on `out` gives gradients (the autograd
+    graph's accumulators of tensors it closes over: the tensors themselves), found on
+    fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -250,9 +255,9 @@ def _outside_gradient_bytes(out: Any, loss_fn: Callable[[Any], torch.Tensor]) ->
         seen.add(node)
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor) and id(leaf) not in own:
-            outside[id(leaf)] = leaf.numel() * leaf.element_size()
+            outside[id(leaf)] = leaf
         stack.extend(fn for fn, _ in node.next_functions)
-    return sum(outside.values())
+    return tuple(outside.values())
 
 
 def assumed_loss(out: Any) -> torch.Tensor:
