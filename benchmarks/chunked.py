@@ -34,8 +34,8 @@ timed on this machine instead (best of three, alone, so in cache).
 from __future__ import annotations
 
 import argparse
-import copy
 import contextlib
+import copy
 import platform
 import sys
 import time
