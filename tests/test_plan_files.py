@@ -256,6 +256,8 @@ def tiny() -> tuple[nn.Module, tuple[torch.Tensor]]:
     ({"workers": -3}, "workers must be a whole number >= 0 .*-3"),
     ({"workers": 1.5}, "workers must be"),
     ({"workers": None}, "workers must be"),
+    ({"progress": True}, "progress must be None or a function, not True"),
+    ({"loss_fn": "cross_entropy"}, "loss_fn must be None or a function"),
 ])
 def test_plan_refuses_bad_options_before_tracing(monkeypatch, options, says) -> None:
     def traced(*args: Any, **kwargs: Any) -> None:
@@ -263,7 +265,7 @@ def test_plan_refuses_bad_options_before_tracing(monkeypatch, options, says) -> 
 
     monkeypatch.setattr(planning, "trace", traced)
     model, inputs = tiny()
-    with pytest.raises(ValueError, match=says):
+    with pytest.raises((ValueError, TypeError), match=says):
         optremat.plan(model, inputs, **{"budget": 0.9, **options})
 
 

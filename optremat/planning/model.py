@@ -76,6 +76,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     head's weight gathered once for the whole chunk loop.
     """
     _check(solver, parallel, budget, time_limit, workers)
+    _check_callable(loss_fn=loss_fn, progress=progress)
     own = own_head(model, example_inputs, loss_fn, head_chunks)
     if not model.training:
         warnings.warn(f"optremat: {type(model).__name__} is in eval mode (as transformers' from_pretrained returns "
@@ -160,6 +161,14 @@ def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any,
     if parallel.world < 1:
         raise ValueError(f"{type(parallel).__name__}(world=...) must name the number of ranks; inside an "
                          "initialized process group, optremat.distributed.plan fills it in")
+
+
+def _check_callable(**functions: Any) -> None:
+    """Refuse an option that must be None or a function and is neither (`progress=True`
+    failed only once the search reported progress)."""
+    for name, function in functions.items():
+        if function is not None and not callable(function):
+            raise TypeError(f"{name} must be None or a function, not {function!r}")
 
 
 def _relative(progress: Progress, total: float) -> Progress:
