@@ -371,3 +371,212 @@ def test_a_reentrant_checkpoint_or_a_sparse_gradient_is_refused_naming_it() -> N
     block = Reentrant()
     block(torch.randn(8, 64, requires_grad=True)).sum().backward()  # the refusal leaves checkpoint as it was
     assert block.lin.weight.grad is not None
+
+
+class LazyRotary(nn.Module):
+    """A block that fills a table on first use, in an attribute and in a buffer
+    registered as None, and counts its calls: Python state a forward changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.table = None
+        self.register_buffer("freqs", None)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.cos(torch.arange(64, dtype=x.dtype))
+            self.freqs = torch.sin(torch.arange(64, dtype=x.dtype))
+        self.calls += 1
+        return torch.tanh(self.lin(x) * self.table + self.freqs)
+
+
+class RunningCenter(nn.Module):
+    """A running mean kept in a plain tensor attribute (not a buffer), updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.center = torch.zeros(64, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            self.center.mul_(0.5).add_(0.5 * y.mean(0))
+        return torch.tanh(y - self.center)
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+
+
+def stateful_stack(block: type[nn.Module]) -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (block(), mlp())]).double()
+    return model, (torch.randn(256, 64, dtype=torch.float64),)
+
+
+def test_planning_leaves_the_models_python_state_as_it_found_it() -> None:
+    """Tracing runs the forward on fake tensors: a table cached on first use stayed fake in
+    the model (every later loss fake). The calls that change their module's state are
+    never checkpointed, so each step changes it once, as unplanned."""
+    model, inputs = stateful_stack(LazyRotary)
+    reference = copy.deepcopy(model)
+    plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert all(block.table is None and block.freqs is None and block.calls == 0 for block in model[0::2])
+    assert plan.regions and all(parse_span(r.path) is None and int(r.path.split(".")[0]) % 2 for r in plan.regions)
+    optremat.apply(model, plan)
+    for _ in range(2):
+        assert_same(step(model, inputs), step(reference, inputs))
+    assert [block.calls for block in model[0::2]] == [2, 2, 2]
+    with pytest.raises(ValueError, match="Python state"):
+        optremat.price_regions(model, inputs, [Region("0", 0)], loss_fn=loss_fn)
+
+
+def test_a_call_writing_a_tensor_attribute_in_place_is_never_checkpointed() -> None:
+    model, inputs = stateful_stack(RunningCenter)
+    reference = copy.deepcopy(model)
+    with pytest.raises(optremat.InfeasibleBudget, match=r"no plan checkpoints 0 \(call 0\)"):
+        optremat.plan(model, inputs, 0.3, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions and all(parse_span(r.path) is None and int(r.path.split(".")[0]) % 2 for r in plan.regions)
+    assert_same(step(optremat.apply(model, plan), inputs), step(reference, inputs))
+    assert all(torch.equal(a.center, b.center) for a, b in zip(model[0::2], reference[0::2]))
+
+
+class CenterInPlace(nn.Module):
+    """Writes the tensor it is given in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sub_(x.mean(1, keepdim=True))
+
+
+class Biased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp()
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mlp(x) + bias)
+
+
+class SharedBias(nn.Module):
+    """Hands each block a buffer it updates in place after the block has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Biased() for _ in range(3)])
+        self.register_buffer("bias", torch.ones(64, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.bias)
+            with torch.no_grad():
+                self.bias.mul_(1.5)
+        return x
+
+
+@pytest.mark.parametrize("build", ["input written in place", "argument written after"])
+def test_a_call_whose_inputs_are_written_in_place_is_never_checkpointed(build: str) -> None:
+    """Checkpoint keeps a call's inputs for its rerun: one the call writes (the model's
+    own input) or that is written after it reruns on other values, which the backward
+    refuses. Such calls run unplanned; the others still may be checkpointed."""
+    torch.manual_seed(0)
+    if build == "input written in place":
+        model, written = nn.Sequential(nn.Sequential(CenterInPlace(), *mlp()), mlp(), mlp()).double(), "0"
+    else:
+        model, written = SharedBias().double(), "blocks.1"
+    x = torch.randn(256, 64, dtype=torch.float64)
+    assert not optremat.price_regions(model, (x.clone(),), [Region(written, 0)], loss_fn=loss_fn).regions
+    reference = copy.deepcopy(model)
+    plan = optremat.plan(model, (x.clone(),), 0.95, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions
+    assert_same(step(optremat.apply(model, plan), (x.clone(),)), step(reference, (x.clone(),)))
+
+
+def test_a_second_backward_reruns_the_checkpointed_calls_again() -> None:
+    """`retain_graph=True` and a gradient penalty run a region's rerun twice: each gets
+    the tensors the forward read (a selective region's second rerun recomputes what the
+    first took from the forward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Linear(256, 64))
+                            for _ in range(4)]).double()
+    x = torch.randn(256, 64, dtype=torch.float64, requires_grad=True)
+    reference = copy.deepcopy(model)
+    plan = optremat.plan(model, (x,), 0.65, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert any(r.saved for r in plan.regions) and any(not r.saved for r in plan.regions)
+    optremat.apply(model, plan)
+
+    def penalised(m: nn.Module) -> tuple:
+        loss = loss_fn(m(x))
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        loss.backward(retain_graph=True)
+        (loss + grad.square().sum()).backward()
+        return {k: p.grad.clone() for k, p in m.named_parameters()}, {k: b.clone() for k, b in m.named_buffers()}
+
+    got, want = penalised(model), penalised(reference)
+    for name, grad in want[0].items():
+        torch.testing.assert_close(got[0][name], grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert all(torch.equal(got[1][name], buffer) for name, buffer in want[1].items())
+
+
+def test_functional_call_reruns_a_call_with_the_tensors_it_was_given() -> None:
+    """MAML's fast weights: `torch.func.functional_call` puts them in place for the call
+    alone, so the rerun in the backward must put them back."""
+    model, plan, inputs = planned_residual()
+    reference = copy.deepcopy(model)
+    optremat.apply(model, plan)
+
+    def fast_step(m: nn.Module) -> dict:
+        fast = {k: (v.detach() * 1.3).requires_grad_(True) for k, v in m.named_parameters()}
+        loss_fn(torch.func.functional_call(m, fast, inputs)).backward()
+        return {k: v.grad for k, v in fast.items()}
+
+    got, want = fast_step(model), fast_step(reference)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_torch_func_transform_runs_the_model_unplanned_with_a_warning() -> None:
+    model, plan, _ = planned_residual()
+    reference = copy.deepcopy(model)
+    optremat.apply(model, plan)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def per_sample(m: nn.Module) -> dict:
+        def loss(p: dict, x: torch.Tensor) -> torch.Tensor:
+            return loss_fn(torch.func.functional_call(m, p, (x[None],)))
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, X[:8])
+
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        got = per_sample(model)
+    want = per_sample(reference)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class TargetEncoder(nn.Module):
+    """Runs its encoder once without gradients (a target) and once with them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(*[mlp() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.encoder(x)
+        return self.encoder(x) - target
+
+
+def test_a_call_made_without_gradients_counts_as_the_trace_counted_it() -> None:
+    """The trace numbers every call of a module; the runtime numbered only those with
+    gradients, so a plan for the second call ran none of its regions."""
+    torch.manual_seed(0)
+    model = TargetEncoder().double()
+    inputs = (torch.randn(512, 64, dtype=torch.float64),)
+    plan = optremat.plan(model, inputs, 0.75, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions and all(r.call == 1 for r in plan.regions)
+    unplanned = saved_outside_regions(model, inputs)
+    optremat.apply(model, plan)
+    assert saved_outside_regions(model, inputs) < unplanned

@@ -22,20 +22,22 @@ class InfeasibleBudget(ValueError):
     `proven` says whether `smallest` is proven minimal (by an exact solver, within the
     plans `scope` describes) or only the best a planner reached; `floor`, when known, is
     a peak no plan goes below (`peak_floor`), which proves a budget under it impossible
-    without proving `smallest` minimal.
+    without proving `smallest` minimal. `note` says what else limits the plans (the
+    module calls none checkpoints).
     """
 
     def __init__(self, budget: int, smallest: int, planner: str, proven: bool = False, scope: str = "",
-                 floor: int | None = None) -> None:
+                 floor: int | None = None, note: str = "") -> None:
         how = f"smallest feasible budget{scope}" if proven else f"smallest budget {planner} reaches"
         under = f"; no plan fits under {format_bytes(floor)}" if floor is not None and not proven else ""
         super().__init__(f"budget {format_bytes(budget)} is infeasible for {planner}; "
-                         f"{how}: {format_bytes(smallest)} ({smallest} bytes){under}")
+                         f"{how}: {format_bytes(smallest)} ({smallest} bytes){under}{'; ' + note if note else ''}")
         self.budget = budget
         self.smallest = smallest
         self.planner = planner
         self.proven = proven
         self.floor = floor
+        self.note = note
 
     @property
     def impossible(self) -> bool:

@@ -99,9 +99,10 @@ class RegionMap:
     gathers them again. `rng_state_bytes` is one stash of the RNG state in the device's
     memory and `buffers` the node of each buffer the forward writes (by its name in
     `named_buffers`): see `stash`. `not_rerun` are the calls checkpoint cannot rerun as
-    they ran (handed a key/value cache made outside them, `tracing.kv_cache`, or drawing
+    they ran (handed a key/value cache made outside them, `tracing.kv_cache`, drawing
     from a generator it does not restore: their own `torch.Generator`, numpy's, Python's
-    `random`): no region is one of them or spans one."""
+    `random`, or changing their module's Python state): no region is one of them or
+    spans one."""
 
     graph: Graph
     calls: tuple[tuple[Call, ...], ...]
@@ -126,10 +127,7 @@ class RegionMap:
         rerun saved it (BatchNorm's running statistics), then when the last op reading it
         has run (from the stage of the rerun: counted at every computation there)."""
         rerun, graph = self.reruns[call], self.graph
-        span = parse_span(call[0])
-        roots = [call[0]] if span is None else list(self.sequences[span[0]][span[1]:span[2]])
-        prefixes = tuple(f"{root}." if root else "" for root in roots)
-        written = [b for name, b in self.buffers.items() if name.startswith(prefixes)]
+        written = self.copied(call)
         ran = {s for v in rerun.nodes for s in self.facts.ran[v]}
         read = {b: max((s for s in graph.succs[b].tolist() if s in ran), default=-1) for b in written}
         first, copies = rerun.nodes[0], int(graph.size[written].sum())
@@ -138,6 +136,15 @@ class RegionMap:
         scratch = int(sum(graph.size[b] for b, last in read.items() if last < 0))
         return Stash(tuple(span for span in spans if span[2] and span[0] <= span[1]),
                      self.rng_state_bytes + copies + scratch)
+
+    def copied(self, call: Call) -> list[int]:
+        """The nodes of the buffers `call`'s modules write (those under its path, or under
+        its span's children): the runtime copies them as the call starts and reruns it on
+        copies."""
+        span = parse_span(call[0])
+        roots = [call[0]] if span is None else list(self.sequences[span[0]][span[1]:span[2]])
+        prefixes = tuple(f"{root}." if root else "" for root in roots)
+        return [b for name, b in self.buffers.items() if name.startswith(prefixes)]
 
     @cached_property
     def members(self) -> dict[Call, np.ndarray]:
@@ -231,6 +238,11 @@ class RegionMap:
     def _runnable(self, call: Call) -> bool:
         """Whether checkpoint can run `call`: within one FSDP unit, and rerun as it ran."""
         return self._within_a_unit(call) and call not in self._never_rerun
+
+    @cached_property
+    def forward_writes(self) -> list[int]:
+        """The forward ops that write in place, in order."""
+        return np.nonzero(self.facts.in_place & ~self.graph.backward)[0].tolist()
 
     @cached_property
     def _never_rerun(self) -> frozenset[Call]:
@@ -367,18 +379,25 @@ class Rerun:
 
 def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
     """How `call` reruns under checkpoint, None when it cannot be checkpointed: its
-    autograd nodes save nothing, or its rerun would write over a tensor from outside it."""
+    autograd nodes save nothing, its rerun would write over a tensor from outside it
+    (but the buffers its modules write, which the runtime gives reruns copies of,
+    `RegionMap.copied`: an input of the model, a tensor attribute), or a tensor it reads
+    from outside is written in place after it (the rerun would read the new values;
+    checkpoint refuses them)."""
     graph, facts, keys = rmap.graph, rmap.facts, rmap.keys(call)
     nodes = rmap.members[call].tolist()
     inside = set(nodes)
     packers = [v for v in nodes if facts.unpacks[v]]
     if not packers:
         return None
-    last = max(packers)
-    if any(facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside
-           and not graph.pinned[graph.storage_root[graph.alias_of[v]]] for v in nodes if v <= last):
+    last, end = max(packers), nodes[-1]
+    copied = set(rmap.copied(call))
+    if any(facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside | copied
+           for v in nodes if v <= last):
         return None
-    end = nodes[-1]
+    read = {int(facts.owner[p]) for v in nodes for p in graph.preds[v].tolist() if p not in inside} - copied
+    if any(w > end and int(facts.owner[graph.alias_of[w]]) in read for w in rmap.forward_writes):
+        return None
     stop = last if _saves_its_output(rmap, last) else last - 1
     t = min(s for v in nodes for s in facts.unpacks[v])
     done = max([t] + [s for v in nodes for s in facts.ran[v]])

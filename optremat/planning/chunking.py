@@ -97,7 +97,7 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
         raise InfeasibleBudget(budget_bytes, smallest.smallest, f"{refusals[0].planner} with the LM head chunked",
                                proven=all(e.proven for e in refusals),
                                scope=" for plans of module regions and LM head chunks",
-                               floor=None if None in floors else min(floors))
+                               floor=None if None in floors else min(floors), note=refusals[0].note)
     least = min(f[2] for f in fitting)
     k, plan, overhead, _ = next(f for f in fitting if f[2] <= least + ROUNDING)  # `tried` lists fewer chunks first
     bounds = [b for _, _, b in found.values()]

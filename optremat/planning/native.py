@@ -93,7 +93,7 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         candidates.append(composed.result.priced)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting and candidates and composed is not None and long:
-        raise _refused(candidates, budget_bytes, solver, floor)
+        raise _refused(rmap, candidates, budget_bytes, solver, floor)
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
         progress(time.perf_counter() - started, min(c.cost for c in fitting), total)
@@ -106,7 +106,7 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         least, proven = least_peak(rmap, rmap.candidates(), _left(time_limit, composing, deterministic),
                                    workers=workers, seed=seed, deterministic=deterministic)
         if least.result.peak_bytes > budget_bytes:
-            raise _infeasible(budget_bytes, candidates, least, proven, solver, floor)
+            raise _infeasible(rmap, budget_bytes, candidates, least, proven, solver, floor)
         fitting = [least]
     bound = (exact.bound if exact.bound is not None and math.isfinite(exact.bound)
              else total + solver_floor(graph, budget_bytes, searching, share=False))
@@ -172,15 +172,27 @@ def _plan_of(rmap: RegionMap, best: Priced, budget_bytes: int, solver: str, boun
                 solver_overhead=best.overhead if solver_overhead is None else solver_overhead)
 
 
-def _infeasible(budget_bytes: int, candidates: list[Priced], least: Priced, proven: bool, solver: str,
-                floor: int) -> InfeasibleBudget:
+def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], least: Priced, proven: bool,
+                solver: str, floor: int) -> InfeasibleBudget:
     """The error for a budget no region plan fits, naming the least peak of any region
     plan: of `candidates` and `least`, the least-peak search's plan (proven when that
     search ended, or when it meets `floor`)."""
     smallest = min([c.result.peak_bytes for c in candidates] + [least.result.peak_bytes])
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime",
                             proven=(proven and smallest == least.result.peak_bytes) or smallest == floor,
-                            scope=" for plans of module regions", floor=floor)
+                            scope=" for plans of module regions", floor=floor, note=_never_checkpointed(rmap))
+
+
+def _never_checkpointed(rmap: RegionMap) -> str:
+    """The module calls no plan checkpoints, named for a refusal (empty when none is)."""
+    calls = sorted(rmap.not_rerun)
+    if not calls:
+        return ""
+    named = ", ".join(f"{path or 'the model'} (call {k})" for path, k in calls[:3])
+    more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
+    return (f"no plan checkpoints {named}{more}: each is handed a key/value cache, draws from a generator "
+            "checkpoint does not restore, or changes its module's Python state or a tensor attribute, which a "
+            "rerun would do again")
 
 
 def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, solver: str, time_limit: float,
@@ -193,15 +205,15 @@ def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, sol
     if not seeds or not long:
         least, proven = least_peak(rmap, rmap.candidates(), time_limit, workers=workers, seed=seed,
                                    deterministic=deterministic)
-        return _infeasible(budget_bytes, seeds, least, proven, solver, floor)
-    return _refused(seeds, budget_bytes, solver, floor)
+        return _infeasible(rmap, budget_bytes, seeds, least, proven, solver, floor)
+    return _refused(rmap, seeds, budget_bytes, solver, floor)
 
 
-def _refused(seeds: list[Priced], budget_bytes: int, solver: str, floor: int) -> InfeasibleBudget:
+def _refused(rmap: RegionMap, seeds: list[Priced], budget_bytes: int, solver: str, floor: int) -> InfeasibleBudget:
     """The error naming the least peak of `seeds` (proven least when it meets `floor`)."""
     smallest = min(c.result.peak_bytes for c in seeds)
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime", proven=smallest == floor,
-                            scope=" for plans of module regions", floor=floor)
+                            scope=" for plans of module regions", floor=floor, note=_never_checkpointed(rmap))
 
 
 def _coarse_kept(rmap: RegionMap, budget_bytes: int, solver: str, time_limit: float, workers: int, seed: int,
@@ -235,7 +247,8 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
     written = {name: first + buffers.index(name) for name in traced.mutated_buffers if name in buffers}
     return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
                      profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds,
-                     profile.rng_state_bytes, written, traced.cached_calls | traced.generator_calls)
+                     profile.rng_state_bytes, written,
+                     traced.cached_calls | traced.generator_calls | traced.stateful_calls)
 
 
 def runs_its_children(module: nn.Module) -> bool:
@@ -277,6 +290,10 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     if drawing:
         raise ValueError(f"{', '.join(drawing)} draws random numbers from a generator checkpoint does not restore "
                          "for the rerun (its own torch.Generator, numpy's or Python's random): leave it out")
+    stateful = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) in traced.stateful_calls]
+    if stateful:
+        raise ValueError(f"{', '.join(stateful)} changes its module's Python state (an attribute it sets or counts), "
+                         "which a rerun would change again: leave it out")
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
     graph = rmap.graph

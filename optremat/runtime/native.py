@@ -274,9 +274,11 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
              **kwargs: Any) -> Any:
     """One call of a taken-over module within a step: under checkpoint if the plan says so.
     A trace steps aside even inside a planned step (a shape replanned as the step starts)."""
-    if not runtime.active or not torch.is_grad_enabled() or tracing():
+    if not runtime.active or tracing():
         return original(*args, **kwargs)
-    call = runtime.next_call(state.path)
+    call = runtime.next_call(state.path)  # counted with gradients off too, as the trace counts calls
+    if not torch.is_grad_enabled():
+        return original(*args, **kwargs)
     region = runtime.regions.get((state.path, call))
     if (region is not None or (state.path, call) in runtime.spans) and _left_out(runtime, state.path, args, kwargs):
         return original(*args, **kwargs)
@@ -299,10 +301,14 @@ def _under_checkpoint() -> bool:
 def _left_out(runtime: _Runtime, path: str, args: tuple, kwargs: dict[str, Any]) -> bool:
     """Whether a planned call runs as the model's own, with a warning once per reason:
     inside the user's own checkpoint (its rerun in the backward, where the plan no longer
-    runs, must save what its forward saved), or handed a key/value cache, which its rerun
-    would write again (`tracing.kv_cache`; plans made with the cache on leave such calls
-    out, so this is a plan made with it off)."""
-    if _under_checkpoint():
+    runs, must save what its forward saved), under a `torch.func` transform (`grad`,
+    `vmap`: they take no saved-tensor hooks, so no checkpoint), or handed a key/value
+    cache, which its rerun would write again (`tracing.kv_cache`; plans made with the
+    cache on leave such calls out, so this is a plan made with it off)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        reason = ("runs under a torch.func transform, which takes no checkpoint, so the plan's checkpointing there "
+                  "is left out (the step's memory is not the plan's)")
+    elif _under_checkpoint():
         reason = ("runs inside torch.utils.checkpoint, so the plan's checkpointing there is left out (the step's "
                   "memory is not the plan's); remove that checkpoint to run the plan")
     elif receives_cache(args, kwargs):
@@ -344,22 +350,35 @@ def _run_children(children: list[nn.Module], value: Any) -> Any:
 
 def _context_fn(module: nn.Module, mutated: tuple[str, ...], region: Region) -> Any:
     buffers = [(module.get_submodule(owner), name) for owner, _, name in (m.rpartition(".") for m in mutated)]
-    return functools.partial(_contexts, region, buffers)
+    return functools.partial(_contexts, module, region, buffers)
 
 
-def _contexts(region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
-    """The forward's and the recomputation's contexts for one call of a region, made as
-    the call starts (so the buffers it writes are copied as they are then). Under
-    torch.compile the policy marks the traced ops and the partitioner recomputes them (no
-    Python rerun, so no scratch buffers), and dynamo takes only selective policies' contexts."""
+def _contexts(module: nn.Module, region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
+    """The forward's and the recomputation's contexts for one call of a region of
+    `module`, made as the call starts (so the tensors it reads and the buffers it writes
+    are taken as they are then). Under torch.compile the policy marks the traced ops and
+    the partitioner recomputes them (no Python rerun, so no scratch buffers), and dynamo
+    takes only selective policies' contexts."""
     if torch.compiler.is_compiling():
         return create_selective_checkpoint_contexts(_policy(region.saved))
     held = [(owner, name, owner._buffers[name].detach().clone()) for owner, name in buffers
             if owner._buffers.get(name) is not None]
     if not region.saved:
-        return contextlib.nullcontext(), _scratch(held)
+        return contextlib.nullcontext(), _Rerun(_tensors_of(module), held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
-    return forward, _rerun(_scratch(held), recompute)
+    return forward, _Rerun(_tensors_of(module), held, recompute)
+
+
+Tensors = list[tuple[nn.Module, str, str, torch.Tensor]]
+"""(module, "_parameters" or "_buffers", name, tensor) for the tensors modules hold."""
+
+
+def _tensors_of(module: nn.Module) -> Tensors:
+    """The parameters and buffers of `module` and its submodules as a call starts: those
+    its rerun must read (`torch.func.functional_call` puts others in place for the call
+    alone, and has put the module's own back by the backward)."""
+    return [(owner, kind, name, tensor) for owner in module.modules() for kind in ("_parameters", "_buffers")
+            for name, tensor in getattr(owner, kind).items() if tensor is not None]
 
 
 def _policy(saved: frozenset[tuple[str, int]]) -> Any:
@@ -378,11 +397,53 @@ def _policy(saved: frozenset[tuple[str, int]]) -> Any:
     return policy
 
 
+class _Rerun:
+    """The recomputation's context for one call of a region, entered by every backward
+    that reruns it (a first one with `retain_graph=True`, a gradient penalty's): the
+    modules hold the tensors they held as the call started (`_swapped`), the buffers it
+    writes scratch copies (`_scratch`: their copies must not pass through the selective
+    mode, so they come first), and the first rerun saves nothing the forward's selective
+    mode saved (`recompute`, None for a plain region); later reruns recompute every op,
+    that mode having handed its saved outputs to the first (PyTorch's own selective
+    checkpoint refuses a second backward). The copies of the buffers as the call started
+    are dropped when the first rerun ends, as plans price them; a later rerun runs on
+    copies of the buffers as they are then."""
+
+    def __init__(self, tensors: Tensors, held: list[tuple[nn.Module, str, torch.Tensor]], recompute: Any) -> None:
+        self.tensors = tensors
+        self.held: list[tuple[nn.Module, str, torch.Tensor]] | None = held
+        self.buffers = [(owner, name) for owner, name, _ in held]
+        self.recompute = recompute
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        held = self.held if self.held is not None else [
+            (owner, name, owner._buffers[name].detach()) for owner, name in self.buffers]
+        self.stack.enter_context(_swapped(self.tensors))
+        self.stack.enter_context(_scratch(held))
+        if self.recompute is not None:
+            self.stack.enter_context(self.recompute)
+            self.recompute = None
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+        self.held = None
+
+
 @contextlib.contextmanager
-def _rerun(scratch: Any, recompute: Any) -> Iterator[None]:
-    """Scratch buffers first: their copies must not pass through the selective mode."""
-    with scratch, recompute:
+def _swapped(tensors: Tensors) -> Iterator[None]:
+    """While it lasts, each module holds the tensor `tensors` names for it."""
+    replaced = []
+    for owner, kind, name, tensor in tensors:
+        current = getattr(owner, kind).get(name)
+        if current is not tensor:
+            replaced.append((owner, kind, name, current))
+            getattr(owner, kind)[name] = tensor
+    try:
         yield
+    finally:
+        for owner, kind, name, current in reversed(replaced):
+            getattr(owner, kind)[name] = current
 
 
 @contextlib.contextmanager

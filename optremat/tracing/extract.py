@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
+from optremat.tracing import module_state
 from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
                                     roofline_cost, workspace_bytes)
@@ -159,10 +160,11 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     args = (params, buffers, inputs, grad_outputs)
     cached: set[tuple[str, int]] = set()
     host_drawing: set[tuple[str, int]] = set()
+    stateful: set[tuple[str, int]] = set()
     python: set[int] = set()
-    with _tracing(), _host_random_kept(), _reentrant_checkpoint_refused(), _grouped_mm_in_any_float(), \
-            eager_mask_decisions(tree_leaves(args)), \
-            _module_paths(model, cached, host_drawing) as where, _python_holds(model) as holds, \
+    with module_state.kept(model), _tracing(), _host_random_kept(), _reentrant_checkpoint_refused(), \
+            _grouped_mm_in_any_float(), eager_mask_decisions(tree_leaves(args)), \
+            _module_paths(model, cached, host_drawing, stateful) as where, _python_holds(model) as holds, \
             fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
@@ -195,6 +197,10 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     random = tuple(torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) for node in nodes)
     drawing = frozenset(call for node, stack in zip(nodes, calls) if node.kwargs.get("generator") is not None
                         for call in stack) | host_drawing
+    # a tensor attribute written in place (a running statistic that is not a buffer) is one
+    # more piece of state a rerun would write again
+    stateful.update(call for node, stack in zip(nodes, calls)
+                    if any(_viewed(p).op == "get_attr" for p in mutated_inputs(node)) for call in stack)
     index = {name: i for i, name in enumerate(graph.names)}
     gradient_nodes = tuple(index[node.name] for node in results[len(results) - len(structure["gradients"]):])
     grad_of = _grad_of(gm, graph)
@@ -206,7 +212,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                     size=_constants_once(gm, graph, index, tree_leaves(args)))
     mutated = tuple(sorted(set(_mutated_buffers(gm, list(params), list(buffers))) | structure["reassigned"]))
     return Traced(gm, graph, grad_of, structure["gradients"], calls, random, mutated, gradient_nodes,
-                  frozenset(cached), drawing)
+                  frozenset(cached), drawing, frozenset(stateful))
 
 
 class LossPrice(NamedTuple):
@@ -488,12 +494,14 @@ def _grad_of(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
 
 
 @contextmanager
-def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[tuple[str, int]]
-                  ) -> Iterator[Callable[[], str]]:
+def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[tuple[str, int]],
+                  stateful: set[tuple[str, int]]) -> Iterator[Callable[[], str]]:
     """Tag traced nodes with the path of the module running them and the stack of module
     calls (path, call number) around them; add to `cached` each call handed a key/value
-    cache (`kv_cache`), and to `drawing` each call that draws from numpy's or Python's
-    random numbers (their state changed while it ran), which checkpoint does not restore."""
+    cache (`kv_cache`), to `drawing` each call that draws from numpy's or Python's
+    random numbers (their state changed while it ran), which checkpoint does not restore,
+    and to `stateful` each call that changes its module's Python state
+    (`module_state.python_state`: a counter, a cache), which a rerun would change again."""
     stack: list[tuple[str, int]] = [("", 0)]
     states: list[Any] = []
     count: dict[str, int] = {}
@@ -504,7 +512,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
     def enter(path: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
-            states.append(_host_random())
+            states.append((_host_random(), module_state.python_state(module)))
             count[path] = count.get(path, 0) + 1
             if receives_cache(args, kwargs):
                 cached.add(stack[-1])
@@ -512,8 +520,11 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
         return hook
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        if not _same_host_random(states.pop(), _host_random()):
+        host_random, python = states.pop()
+        if not _same_host_random(host_random, _host_random()):
             drawing.add(stack[-1])
+        if python != module_state.python_state(module):
+            stateful.update(stack[1:])  # the calls around it rerun it too
         stack.pop()
         tag()
 

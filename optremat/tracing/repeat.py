@@ -300,6 +300,7 @@ def expanded(traced: Traced, short: nn.Module, model: nn.Module, path: str, n: i
                    calls=tuple(copies.calls(traced.calls[v], j) for v, j in copies.order),
                    cached_calls=copies.calls_among(traced.cached_calls, traced.calls),
                    generator_calls=copies.calls_among(traced.generator_calls, traced.calls),
+                   stateful_calls=copies.calls_among(traced.stateful_calls, traced.calls),
                    random=tuple(traced.random[v] for v, _ in copies.order), mutated_buffers=mutated)
 
 

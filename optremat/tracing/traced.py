@@ -25,7 +25,9 @@ class Traced:
     the Graph nodes holding them. `cached_calls` are the module calls handed a key/value
     cache (`tracing.kv_cache`) and `generator_calls` those drawing random numbers from a
     generator checkpoint does not restore for a rerun (a `torch.Generator` of their own,
-    numpy's or Python's `random`): neither is ever checkpointed.
+    numpy's or Python's `random`): neither is ever checkpointed, nor are the calls
+    in `stateful_calls`, which change their module's Python state (a counter, a cache
+    set on first use), as a rerun would change it again.
     """
 
     module: torch.fx.GraphModule
@@ -38,6 +40,7 @@ class Traced:
     gradient_nodes: tuple[int, ...] = ()
     cached_calls: frozenset[tuple[str, int]] = frozenset()
     generator_calls: frozenset[tuple[str, int]] = frozenset()
+    stateful_calls: frozenset[tuple[str, int]] = frozenset()
 
     def parameters(self, model: nn.Module) -> list[tuple[int, int]]:
         """(parameter node, node holding its gradient or -1) for each of `model`'s
