@@ -4,11 +4,14 @@ accelerate's FSDP2 plugin."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+
+import optremat
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -32,14 +35,18 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def train(tmp_path, callbacks: list, checkpointing: bool = False) -> list[float]:
-    """Losses of three Trainer steps of a GPT-2 from its config, seeded alike."""
+def train(tmp_path, callbacks: list, checkpointing: bool = False,
+          prepare: Callable[[torch.nn.Module], object] | None = None) -> list[float]:
+    """Losses of three Trainer steps of a GPT-2 from its config, seeded alike (the model
+    handed to `prepare` first, if given)."""
     transformers.set_seed(0)
     config = transformers.GPT2Config(vocab_size=2000, n_embd=64, n_layer=3, n_head=4, n_positions=128,
                                      use_cache=False, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
     if checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    if prepare is not None:
+        prepare(model)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
                                           logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
                                           seed=0, disable_tqdm=True)
@@ -67,6 +74,17 @@ def test_the_trainer_trains_the_same_with_the_head_in_chunks(tmp_path) -> None:
     callback = PlanCallback(0.9, time_limit=2, deterministic=True, head_chunks=4)
     got = train(tmp_path / "chunked", [callback])
     assert callback.plan.chunking.chunks == 4 and "4 token chunks" in callback.plan.summary()
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_the_trainer_trains_a_causal_lm_compiled_with_its_own_loss_the_same(tmp_path) -> None:
+    """`compile_causal_lm`: the base model compiled under the plan, the head and the
+    model's loss after it in the chunks the plan chose; the Trainer calls the model as
+    always."""
+    want = train(tmp_path / "plain", [])
+    backend = optremat.compile_backend(0.6, inner="aot_eager", solver="dtr")
+    got = train(tmp_path / "compiled", [], prepare=lambda model: optremat.compile_causal_lm(model, backend))
+    assert backend.plans and backend.plans[0].chunking.chunks is not None
     assert got == pytest.approx(want, rel=1e-5)
 
 
