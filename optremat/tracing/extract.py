@@ -139,7 +139,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         raise ExtractionError(f"module '{sparse[0]}' makes a sparse gradient (sparse=True), which optremat does not "
                               "price: build it with sparse=False")
 
-    grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
+    with module_state.kept(model), _grouped_mm_in_any_float():
+        grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
 
     structure: dict[str, Any] = {}
     identity = {name: id(p) for name, p in params.items()}
