@@ -1,10 +1,10 @@
 """Model families nobody tuned for, from small transformers configs: an encoder-decoder
 (T5), encoders (BERT and DistilBERT classifying sequences, ELECTRA), a vision transformer (ViT), convnets
-(ResNet, ConvNeXt) and mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, in float32 and
-bfloat16), each planned on a dict batch with labels (the model's own loss), applied, and
-checked against the unplanned model: the same loss and gradients, bitwise, and a measured
-peak within 5% of the prediction and at most 2% over the budget. Decoder LMs are tested
-in test_third_party.py and test_batches.py."""
+(ResNet, ConvNeXt), mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, in float32 and
+bfloat16) and a Phi decoder, each planned on a dict batch with labels (the model's own
+loss), applied, and checked against the unplanned model: the same loss and gradients,
+bitwise, and a measured peak within 5% of the prediction and at most 2% over the budget.
+Other decoder LMs are tested in test_third_party.py and test_batches.py."""
 
 from __future__ import annotations
 
@@ -79,6 +79,16 @@ def distilbert() -> tuple[nn.Module, Batch]:
     mask[1, 20:] = 0
     return transformers.DistilBertForSequenceClassification(config), {"input_ids": ids, "attention_mask": mask,
                                                                       "labels": torch.tensor([0, 2])}
+
+
+def phi() -> tuple[nn.Module, Batch]:
+    """A Phi causal LM with dropout: its attention keeps the rotated query and key in
+    variables (`torch.cat` results) through its output projection, in a checkpointed rerun too."""
+    config = transformers.PhiConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=64, resid_pdrop=0.1,
+                                    embd_pdrop=0.1, attention_dropout=0.1, use_cache=False)
+    ids = torch.randint(3, 256, (2, 32))
+    return transformers.PhiForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
 def vit() -> tuple[nn.Module, Batch]:
@@ -184,21 +194,21 @@ def test_an_encoder_bert_classifying_sequences_plans_exactly_within_its_budget()
 
 
 def test_an_electra_whose_loss_selects_tokens_by_a_mask_plans_exactly_within_its_budget() -> None:
-    plans_exactly_within_budget(electra, 0.7)
+    plans_exactly_within_budget(electra, 0.75)
 
 
 def test_a_distilbert_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(distilbert, 0.8)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: at its least peak DistilBERT measures 2.45% over the budget "
-                                       "(342,728 against 334,532 bytes); the cause is not found")
-def test_a_distilbert_plans_exactly_at_the_least_peak_a_refusal_names() -> None:
+@pytest.mark.parametrize("build", [distilbert, phi], ids=["distilbert", "phi"])
+def test_attention_with_dropout_plans_exactly_at_the_least_peak_a_refusal_names(
+        build: Callable[[], tuple[nn.Module, Batch]]) -> None:
     torch.manual_seed(0)
-    model, batch = distilbert()
+    model, batch = build()
     with pytest.raises(optremat.InfeasibleBudget) as refused:
         optremat.plan(model.train(), batch, 0.5, time_limit=0.3, deterministic=True)
-    plans_exactly_within_budget(distilbert, refused.value.smallest)
+    plans_exactly_within_budget(build, refused.value.smallest)
 
 
 def test_a_vision_transformer_plans_exactly_within_its_budget() -> None:

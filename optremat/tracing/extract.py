@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import random
 import re
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass, replace
@@ -28,6 +29,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from optremat.core.graph import Graph
@@ -153,9 +155,10 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         else:
             roots, root_grads = _grad_leaves(out), grad_outputs
         with _phase("backward"), _tag_grad_fns(roots, python):
-            grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads, allow_unused=True)
+            seeds = _seeds(roots) if root_grads is None else []
+            grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads or seeds, allow_unused=True)
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
-        return roots, _held(out), [g for g in grads if g is not None]
+        return roots, _held(out) + [s for s in seeds if s is not None], [g for g in grads if g is not None]
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
@@ -353,6 +356,15 @@ def _grad_leaves(out: Any) -> list[torch.Tensor]:
     if not leaves:
         raise ExtractionError("the model's output has no tensor that requires grad; pass loss_fn or check the model")
     return leaves
+
+
+def _seeds(roots: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradient `torch.autograd.grad` seeds a one-element root with (ones), made where
+    the trace sees it (None for any other root, which it makes or refuses itself): its
+    Python holds them until it returns, so the traced step returns them, as it returns
+    the model's output (`_held`)."""
+    return [torch.ones_like(r, memory_format=torch.preserve_format)
+            if r.numel() == 1 and r.requires_grad and r.is_floating_point() else None for r in roots]
 
 
 def _output_like(model: nn.Module, params: dict, buffers: dict, inputs: Call) -> list[torch.Tensor]:
@@ -589,19 +601,20 @@ def _host_random_kept() -> Iterator[None]:
 @contextmanager
 def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
     """While tracing, what eager Python holds past its last read: a module call's tensor
-    arguments until the call returns, and the tensors of a tuple a call returns (unpacked
-    into its caller's locals) until the caller returns. Yields, filled in as calls
-    return, per fx node name the name of the last node traced while it is held."""
+    arguments until the call returns, the tensors in its caller's variables as it starts
+    (`_caller_locals`) until it returns, the tensors of a tuple a call returns (unpacked
+    into its caller's locals) until the caller returns, and what
+    scaled_dot_product_attention holds in its own (`_AttentionLocals`). Yields, filled in
+    as calls return, per fx node name the name of the last node traced while it is held."""
     holds: dict[str, str] = {}
     frames: list[list[torch.fx.Node]] = []
+    modules = {id(m) for m in model.modules()}
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        frames.append(_traced_nodes((args, kwargs)))
+        frames.append(_traced_nodes((args, kwargs)) + _caller_locals(modules))
 
     def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        held, last = frames.pop(), _last_traced()
-        if last is not None:
-            holds.update((node.name, last.name) for node in held)
+        _hold(holds, frames.pop())
         if frames and isinstance(output, tuple):
             frames[-1].extend(_traced_nodes(output))
 
@@ -610,10 +623,59 @@ def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True))
     try:
-        yield holds
+        with _AttentionLocals(holds):
+            yield holds
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _hold(holds: dict[str, str], nodes: list[torch.fx.Node]) -> None:
+    """Record in `holds` that eager holds the tensors of `nodes` until now, the node
+    traced last."""
+    last = _last_traced()
+    if last is not None:
+        holds.update((node.name, last.name) for node in nodes)
+
+
+def _caller_locals(modules: set[int]) -> list[torch.fx.Node]:
+    """The traced tensors in the variables of the innermost forward of `modules` (by id)
+    that runs the module call starting now: they stay bound while the call runs
+    (`x = self.norm(x + y)` holds the old `x` until the norm returns)."""
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "forward" and id(frame.f_locals.get("self")) in modules):
+        frame = frame.f_back
+    return [] if frame is None else _traced_nodes(list(frame.f_locals.values()))
+
+
+class _AttentionLocals(TorchFunctionMode):
+    """While tracing, record in `holds` what `F.scaled_dot_product_attention` holds in its
+    C++ variables until it returns, past their last read: the additive mask it converts a
+    boolean one to (`where`), and the results of the ops reading its query, key or value
+    themselves (the math kernel's scaled query)."""
+
+    def __init__(self, holds: dict[str, str]) -> None:
+        super().__init__()
+        self.holds = holds
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        before = _last_traced() if func is nn.functional.scaled_dot_product_attention else None
+        out = func(*args, **kwargs)
+        if before is not None:
+            given = set(_traced_nodes((args[:3], [kwargs.get(k) for k in ("query", "key", "value")])))
+            _hold(self.holds, [node for node in _traced_since(before) if node.target is torch.ops.aten.where.self
+                               or (not _is_view(node) and given & set(node.all_input_nodes))])
+        return out
+
+
+def _traced_since(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes the trace under way recorded after `node`."""
+    found = []
+    while node.next.op != "root":
+        node = node.next
+        found.append(node)
+    return found
 
 
 def _traced_nodes(value: Any) -> list[torch.fx.Node]:
