@@ -363,22 +363,26 @@ def _contexts(module: nn.Module, region: Region, buffers: list[tuple[nn.Module, 
         return create_selective_checkpoint_contexts(_policy(region.saved))
     held = [(owner, name, owner._buffers[name].detach().clone()) for owner, name in buffers
             if owner._buffers.get(name) is not None]
+    tensors = _tensors_of(module, {(id(owner), name) for owner, name in buffers})
     if not region.saved:
-        return contextlib.nullcontext(), _Rerun(_tensors_of(module), held, None)
+        return contextlib.nullcontext(), _Rerun(tensors, held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
-    return forward, _Rerun(_tensors_of(module), held, recompute)
+    return forward, _Rerun(tensors, held, recompute)
 
 
 Tensors = list[tuple[nn.Module, str, str, torch.Tensor]]
 """(module, "_parameters" or "_buffers", name, tensor) for the tensors modules hold."""
 
 
-def _tensors_of(module: nn.Module) -> Tensors:
+def _tensors_of(module: nn.Module, written: set[tuple[int, str]]) -> Tensors:
     """The parameters and buffers of `module` and its submodules as a call starts: those
     its rerun must read (`torch.func.functional_call` puts others in place for the call
-    alone, and has put the module's own back by the backward)."""
+    alone, and has put the module's own back by the backward). The buffers the call
+    writes, (id of owner, name) in `written`, are left to their copies (`_scratch`):
+    holding one the call reassigns would keep its old tensor alive."""
     return [(owner, kind, name, tensor) for owner in module.modules() for kind in ("_parameters", "_buffers")
-            for name, tensor in getattr(owner, kind).items() if tensor is not None]
+            for name, tensor in getattr(owner, kind).items()
+            if tensor is not None and (kind == "_parameters" or (id(owner), name) not in written)]
 
 
 def _policy(saved: frozenset[tuple[str, int]]) -> Any:
