@@ -151,6 +151,20 @@ class Gathered(nn.Module):
         return torch.gather(self.lin(x), 1, torch.arange(WIDTH).expand(x.shape[0], WIDTH))
 
 
+def spread(x: torch.Tensor) -> torch.Tensor:
+    """A plain function, no module call, whose variables hold its wide temporaries until it
+    returns, past the ops that last read them."""
+    wide = x.repeat(1, 8)
+    scaled = wide * 0.5
+    shifted = scaled + 1.0
+    return torch.tanh(shifted).view(-1, 8, WIDTH).sum(1)
+
+
+class Spread(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return spread(x)
+
+
 def framed(*blocks: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, WIDTH), *blocks, nn.Linear(WIDTH, 4)).double()
@@ -181,6 +195,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
     "gather's whole input held until its backward formula runs": (lambda: framed(Gathered()), ()),
     "a call's result held by the caller's variable through its views, in its rerun too": (
         lambda: framed(Heads()), (Region("1", 0),)),
+    "a plain function's variables held until it returns": (lambda: framed(Spread()), ()),
     "a tuple's halves held while the caller runs, in its rerun too": (
         lambda: framed(nn.Sequential(Unpacking(), nn.Tanh())), (Region("1", 0),)),
 }

@@ -19,6 +19,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -603,9 +604,11 @@ def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
     """While tracing, what eager Python holds past its last read: a module call's tensor
     arguments until the call returns, the tensors in its caller's variables as it starts
     (`_caller_locals`) until it returns, the tensors of a tuple a call returns (unpacked
-    into its caller's locals) until the caller returns, and what
-    scaled_dot_product_attention holds in its own (`_AttentionLocals`). Yields, filled in
-    as calls return, per fx node name the name of the last node traced while it is held."""
+    into its caller's locals) until the caller returns, what
+    scaled_dot_product_attention holds in its own (`_AttentionLocals`), and what the
+    variables of the model's Python functions hold as each torch call runs
+    (`_FunctionLocals`). Yields, filled in as calls return, per fx node name the name of
+    the last node traced while it is held."""
     holds: dict[str, str] = {}
     frames: list[list[torch.fx.Node]] = []
     modules = {id(m) for m in model.modules()}
@@ -623,7 +626,7 @@ def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True))
     try:
-        with _AttentionLocals(holds):
+        with _AttentionLocals(holds), _FunctionLocals(holds, lambda: bool(frames)):
             yield holds
     finally:
         for handle in handles:
@@ -646,6 +649,42 @@ def _caller_locals(modules: set[int]) -> list[torch.fx.Node]:
     while frame is not None and not (frame.f_code.co_name == "forward" and id(frame.f_locals.get("self")) in modules):
         frame = frame.f_back
     return [] if frame is None else _traced_nodes(list(frame.f_locals.values()))
+
+
+_TRACING_CODE = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+"""Where torch's and optremat's own Python lives: under a trace its frames are the
+tracer's, fake tensors' and decompositions' as much as the model's."""
+
+
+class _FunctionLocals(TorchFunctionMode):
+    """While tracing within a module call (`inside`), record in `holds` what the variables
+    of the Python functions running a torch call hold as it returns, those of torch's and
+    optremat's code aside: eager frees a variable's tensor only when the variable is bound
+    again or its function returns, past the last op reading it (transformers'
+    `sdpa_attention_forward` holds the keys `repeat_kv` made and the mask it built
+    through the attention and the copy of its output)."""
+
+    def __init__(self, holds: dict[str, str], inside: Callable[[], bool]) -> None:
+        super().__init__()
+        self.holds, self.inside = holds, inside
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        before = _last_traced()
+        out = func(*args, **(kwargs or {}))
+        if self.inside() and _last_traced() is not before:
+            _hold(self.holds, _traced_nodes(_variables(sys._getframe(1))))
+        return out
+
+
+def _variables(frame: Any) -> list[Any]:
+    """The values of the variables of `frame` and of the frames that called it, up to the
+    traced step's model call (`_call`), outside torch's and optremat's code."""
+    values = []
+    while frame is not None and frame.f_code is not _call.__code__:
+        if not frame.f_code.co_filename.startswith(_TRACING_CODE):
+            values += frame.f_locals.values()
+        frame = frame.f_back
+    return values
 
 
 class _AttentionLocals(TorchFunctionMode):
