@@ -269,6 +269,7 @@ def test_a_batch_norm_shared_by_checkpointed_blocks_updates_once() -> None:
     state = copy.deepcopy(model.state_dict())
     want = step(model, inputs)
     plan = optremat.price_regions(model, inputs, [Region(str(k), 0) for k in range(4)], loss_fn=loss_fn)
+    assert [r.path for r in plan.regions] == ["0", "1", "2", "3"]  # its buffers copied for each call's rerun
     model.load_state_dict(state)
     assert_same(step(optremat.apply(model, plan), inputs), want)
     assert shared.num_batches_tracked.item() == 4, "once per call of the step, none in the reruns"
@@ -488,7 +489,8 @@ def test_a_call_whose_inputs_are_written_in_place_is_never_checkpointed(build: s
     else:
         model, written = SharedBias().double(), "blocks.1"
     x = torch.randn(256, 64, dtype=torch.float64)
-    assert not optremat.price_regions(model, (x.clone(),), [Region(written, 0)], loss_fn=loss_fn).regions
+    with pytest.warns(UserWarning, match=f"{written} \\(call 0\\) runs unplanned"):
+        assert not optremat.price_regions(model, (x.clone(),), [Region(written, 0)], loss_fn=loss_fn).regions
     reference = copy.deepcopy(model)
     plan = optremat.plan(model, (x.clone(),), 0.95, loss_fn=loss_fn, time_limit=5, deterministic=True)
     assert plan.regions

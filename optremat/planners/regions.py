@@ -97,9 +97,10 @@ class RegionMap:
     autograd nodes save. `unit`, when given, names per node the FSDP unit running it: a
     region never spans two units, so its rerun finds its parameters gathered and never
     gathers them again. `rng_state_bytes` is one stash of the RNG state in the device's
-    memory and `buffers` the node of each buffer the forward writes (by its name in
-    `named_buffers`): see `stash`. `not_rerun` are the calls checkpoint cannot rerun as
-    they ran (handed a key/value cache made outside them, `tracing.kv_cache`, drawing
+    memory and `buffers` the node of each buffer the forward writes (by each of its names
+    in `named_buffers(remove_duplicate=False)`): see `stash`. `not_rerun` are the calls
+    checkpoint cannot rerun as they ran (handed a key/value cache made outside them,
+    `tracing.kv_cache`, drawing
     from a generator it does not restore: their own `torch.Generator`, numpy's, Python's
     `random`, or changing their module's Python state): no region is one of them or
     spans one."""
@@ -144,7 +145,7 @@ class RegionMap:
         span = parse_span(call[0])
         roots = [call[0]] if span is None else list(self.sequences[span[0]][span[1]:span[2]])
         prefixes = tuple(f"{root}." if root else "" for root in roots)
-        return [b for name, b in self.buffers.items() if name.startswith(prefixes)]
+        return sorted({b for name, b in self.buffers.items() if name.startswith(prefixes)})
 
     @cached_property
     def members(self) -> dict[Call, np.ndarray]:

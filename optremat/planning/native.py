@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -244,7 +245,12 @@ def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel
     profile = device_profile(device)
     buffers = [name for name, _ in model.named_buffers()]
     first = len(dict(model.named_parameters()))
-    written = {name: first + buffers.index(name) for name in traced.mutated_buffers if name in buffers}
+    node = {name: first + buffers.index(name) for name in traced.mutated_buffers if name in buffers}
+    # a buffer of a module shared by several calls under each of its names: every call's
+    # module holds it, and the runtime copies it for each (found by identity)
+    of = {id(buffer): node[name] for name, buffer in model.named_buffers() if name in node}
+    written = {alias: of[id(buffer)] for alias, buffer in model.named_buffers(remove_duplicate=False)
+               if id(buffer) in of}
     return RegionMap(graph, traced.calls, np.array(traced.random, dtype=bool), traced.grad_of, sequences,
                      profile.dispatch_seconds, unit, profile.rerun_seconds, profile.pack_seconds,
                      profile.rng_state_bytes, written,
@@ -296,6 +302,12 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
                          "which a rerun would change again: leave it out")
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
+    lowered = {(g.path, g.call) for g in priced.lowering.regions}
+    dropped = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) not in lowered]
+    if dropped:
+        warnings.warn(f"optremat: {', '.join(dropped)} runs unplanned: checkpoint cannot rerun it as it ran (its "
+                      "autograd nodes save nothing, it writes a tensor from outside it in place, or a tensor it "
+                      "reads is written in place after it); priced so", stacklevel=2)
     graph = rmap.graph
     baseline = simulate(graph, keep_all(graph)).peak_bytes
     return Plan(graph=graph, schedule=priced.lowering.schedule, regions=priced.lowering.regions,
