@@ -582,3 +582,37 @@ def test_a_call_made_without_gradients_counts_as_the_trace_counted_it() -> None:
     unplanned = saved_outside_regions(model, inputs)
     optremat.apply(model, plan)
     assert saved_outside_regions(model, inputs) < unplanned
+
+
+class Keywords(nn.Module):
+    """A block whose forward takes keywords named as the runtime's and checkpoint's own
+    parameters (RWKV's blocks take `state`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp()
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, debug: bool = False,
+                module: str = "", forward: str = "") -> torch.Tensor:
+        return self.mlp(x) + (0 if state is None else state) + float(debug)
+
+
+class KeywordStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Keywords() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x, state=x * 0.5, debug=True, module="m", forward="f"))
+        return x
+
+
+def test_a_call_with_keywords_named_as_the_runtimes_runs_under_the_plan() -> None:
+    torch.manual_seed(0)
+    model = KeywordStack().double()
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+    reference = copy.deepcopy(model)
+    plan = optremat.price_regions(model, inputs, [Region(f"blocks.{k}", 0) for k in range(3)], loss_fn=loss_fn)
+    assert [r.path for r in plan.regions] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert_same(step(optremat.apply(model, plan), inputs), step(reference, inputs))

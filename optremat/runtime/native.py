@@ -256,7 +256,7 @@ def remove(model: nn.Module) -> nn.Module:
     return model
 
 
-def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _region_forward(module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     state: _RegionState = getattr(module, _REGION)
     original = state.original(module)
     runtime = state.runtime
@@ -270,7 +270,7 @@ def _region_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _planned(module, state, runtime, original, *args, **kwargs)
 
 
-def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original: Callable, *args: Any,
+def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original: Callable, /, *args: Any,
              **kwargs: Any) -> Any:
     """One call of a taken-over module within a step: under checkpoint if the plan says so.
     A trace steps aside even inside a planned step (a shape replanned as the step starts)."""
@@ -283,8 +283,9 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
     if (region is not None or (state.path, call) in runtime.spans) and _left_out(runtime, state.path, args, kwargs):
         return original(*args, **kwargs)
     if region is not None:
-        return checkpoint(original, *args, use_reentrant=False, context_fn=_context_fn(module, state.mutated, region),
-                          **kwargs)
+        # the call's keywords bound here: checkpoint would take one named as its own options (`debug`)
+        return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False,
+                          context_fn=_context_fn(module, state.mutated, region))
     spans = runtime.spans.get((state.path, call))
     if spans is None:
         return original(*args, **kwargs)

@@ -132,7 +132,7 @@ class HeadInChunks:
     chunks: int | str
     base: Callable[[CausalLMLoss], Callable[..., Any]] | None = None
 
-    def __call__(self, model: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, model: nn.Module, forward: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         call = _loss_call(model, args, kwargs)
         reason = None if call is None else _unsupported_class(model) or (None if tracing() else _hooked(model))
         if reason is not None:
