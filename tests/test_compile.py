@@ -663,6 +663,19 @@ def test_a_compiled_causal_lm_runs_its_own_loss_in_the_chunks_the_plan_chooses()
     assert model(**batch).logits is not None
 
 
+def test_a_compiled_causal_lm_runs_each_shape_in_the_chunks_planned_for_it() -> None:
+    model, _ = tiny_llama()
+    backend = optremat.compile_backend("7MiB", inner="aot_eager", solver="dtr")
+    optremat.compile_causal_lm(model, backend)
+    ran = []
+    for tokens in (256, 32, 256):
+        ids = torch.randint(0, 4096, (2, tokens))
+        model(input_ids=ids, labels=ids).loss.backward()
+        ran.append(optremat.CausalLMLoss(model.lm_head, ids).running_chunks())
+    planned = [plan.chunking.chunks for plan in backend.plans]
+    assert len(planned) == 2 and planned[0] != planned[1] and ran == [planned[0], planned[1], planned[0]]
+
+
 def test_compile_causal_lm_refuses_what_it_cannot_run() -> None:
     model, batch = tiny_llama()
     with pytest.raises(ValueError, match="transformers causal LM"):

@@ -616,3 +616,39 @@ def test_a_call_with_keywords_named_as_the_runtimes_runs_under_the_plan() -> Non
     plan = optremat.price_regions(model, inputs, [Region(f"blocks.{k}", 0) for k in range(3)], loss_fn=loss_fn)
     assert [r.path for r in plan.regions] == ["blocks.0", "blocks.1", "blocks.2"]
     assert_same(step(optremat.apply(model, plan), inputs), step(reference, inputs))
+
+
+class Centered(nn.Module):
+    """Subtracts a running mean kept in a buffer it then updates in place: its output
+    reads the buffer it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(64, 256), nn.Linear(256, 64)
+        self.register_buffer("center", torch.zeros(256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x)) - self.center
+        with torch.no_grad():
+            self.center.mul_(0.5).add_(0.5 * y.mean(0) + 1.0)
+        return self.out(torch.tanh(y))
+
+
+def test_every_rerun_reads_the_buffers_as_the_call_found_them() -> None:
+    """A second backward's rerun of a call that reads a buffer it writes reads the
+    copy taken as the call started, as the first does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), Centered(), nn.Linear(64, 64)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(128, 64, dtype=torch.float64)
+    optremat.apply(model, optremat.price_regions(model, (x,), [Region("1", 0)], loss_fn=loss_fn))
+
+    def twice(m: nn.Module) -> dict:
+        loss = loss_fn(m(x))
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {k: p.grad.clone() for k, p in m.named_parameters()}
+
+    got, want = twice(model), twice(reference)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-10, atol=1e-12, msg=name)

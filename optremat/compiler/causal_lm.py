@@ -10,7 +10,8 @@ the plan (`Partitioner._chunked`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -20,21 +21,38 @@ from optremat.compiler.backend import Backend, Partitioner
 from optremat.runtime import native
 from optremat.tracing import causal_lm
 from optremat.tracing.fingerprint import model_fingerprint
-from optremat.tracing.lm_loss import AUTO, CausalLMLoss
+from optremat.tracing.lm_loss import AUTO, CausalLMLoss, install
 
 
 @dataclass(eq=False)
 class CompiledBase:
     """A causal LM's base model compiled under a `Partitioner`: called with the loss a
-    step computes on its hidden states, it makes that the loss the partitioner plans
-    with and returns the compiled base model."""
+    step computes on its hidden states, it returns what runs the compiled base model with
+    that loss the one the partitioner plans with (while it runs: it compiles there), and
+    installs for the loss's head the chunks planned for its labels' shape (`chosen`; a
+    shape compiled later must not change an earlier one's)."""
 
     partitioner: Partitioner
     compiled: Callable[..., Any]
+    chosen: dict[tuple[int, ...], int | None] = field(default_factory=dict)
 
     def __call__(self, loss_fn: CausalLMLoss) -> Callable[..., Any]:
+        return functools.partial(self._run, loss_fn)
+
+    def _run(self, loss_fn: CausalLMLoss, *args: Any, **kwargs: Any) -> Any:
+        made = len(self.partitioner.plans)
         self.partitioner.loss_fn = loss_fn
-        return self.compiled
+        try:
+            out = self.compiled(*args, **kwargs)
+        finally:
+            self.partitioner.loss_fn = None
+        shape = tuple(loss_fn.labels.shape)
+        chunked = [plan.chunking for plan in self.partitioner.plans[made:] if plan.chunking is not None]
+        if chunked:
+            self.chosen[shape] = chunked[-1].chunks
+        if shape in self.chosen:
+            install(loss_fn.weights(substituted=False)[0], self.chosen[shape])
+        return out
 
 
 def compile_causal_lm(model: nn.Module, backend: Backend) -> nn.Module:

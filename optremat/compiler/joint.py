@@ -62,7 +62,9 @@ class JointStep:
     when the loss has run and freed after their last read, not resident for the whole
     step. The loss is an output the size of the gradients it gives tensors outside the
     graph (an LM head's weight the loss reads: autograd holds its gradient to the step's
-    end), and the gradients are fixed, so no plan computes either twice.
+    end), and the gradients are fixed, so no plan computes either twice. The tensors the
+    loss takes gradients for that the compiled graph does not take (an untied head's
+    weight) are one resident node, `OUTSIDE`.
     """
 
     graph: Graph

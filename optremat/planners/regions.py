@@ -123,7 +123,8 @@ class RegionMap:
         copy of the RNG state from the call's forward until its autograd nodes are done,
         and another while the call reruns (`fork_rng`); `runtime.native`'s copy of each
         buffer the call's modules write (those under its path, or under its span's
-        children), made as the call starts and dropped when its rerun ends, and the copy
+        children), made as the call starts and dropped with the RNG state's (a second
+        backward's rerun reads them again), and the copy
         the rerun runs on, dropped when the rerun ends unless an autograd node of the
         rerun saved it (BatchNorm's running statistics), then when the last op reading it
         has run (from the stage of the rerun: counted at every computation there)."""
@@ -132,7 +133,7 @@ class RegionMap:
         ran = {s for v in rerun.nodes for s in self.facts.ran[v]}
         read = {b: max((s for s in graph.succs[b].tolist() if s in ran), default=-1) for b in written}
         first, copies = rerun.nodes[0], int(graph.size[written].sum())
-        spans = [(first, rerun.done, self.rng_state_bytes), (first, rerun.t - 1, copies)]
+        spans = [(first, rerun.done, self.rng_state_bytes + copies)]
         spans += [(rerun.t, last, int(graph.size[b])) for b, last in read.items() if last >= 0]
         scratch = int(sum(graph.size[b] for b, last in read.items() if last < 0))
         return Stash(tuple(span for span in spans if span[2] and span[0] <= span[1]),

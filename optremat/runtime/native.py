@@ -285,7 +285,7 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
     if region is not None:
         # the call's keywords bound here: checkpoint would take one named as its own options (`debug`)
         return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False,
-                          context_fn=_context_fn(module, state.mutated, region))
+                          context_fn=_context_fn(module, [module], state.mutated, region))
     spans = runtime.spans.get((state.path, call))
     if spans is None:
         return original(*args, **kwargs)
@@ -338,7 +338,7 @@ def _run_spans(module: nn.Sequential, state: _RegionState, spans: dict[int, tupl
         names = list(module._modules)[k:stop]
         mutated = tuple(m for m in state.mutated if m.split(".")[0] in names)
         value = checkpoint(_run_children, children[k:stop], value, use_reentrant=False,
-                           context_fn=_context_fn(module, mutated, region))
+                           context_fn=_context_fn(module, children[k:stop], mutated, region))
         k = stop
     return value
 
@@ -349,22 +349,24 @@ def _run_children(children: list[nn.Module], value: Any) -> Any:
     return value
 
 
-def _context_fn(module: nn.Module, mutated: tuple[str, ...], region: Region) -> Any:
+def _context_fn(module: nn.Module, running: list[nn.Module], mutated: tuple[str, ...], region: Region) -> Any:
+    """The context function of a region of `module` (its `mutated` buffers named from it),
+    run by the modules `running` (the module, or the children of its span)."""
     buffers = [(module.get_submodule(owner), name) for owner, _, name in (m.rpartition(".") for m in mutated)]
-    return functools.partial(_contexts, module, region, buffers)
+    return functools.partial(_contexts, running, region, buffers)
 
 
-def _contexts(module: nn.Module, region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
-    """The forward's and the recomputation's contexts for one call of a region of
-    `module`, made as the call starts (so the tensors it reads and the buffers it writes
-    are taken as they are then). Under torch.compile the policy marks the traced ops and
-    the partitioner recomputes them (no Python rerun, so no scratch buffers), and dynamo
-    takes only selective policies' contexts."""
+def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
+    """The forward's and the recomputation's contexts for one call of a region run by the
+    modules `running`, made as the call starts (so the tensors it reads and the buffers it
+    writes are taken as they are then). Under torch.compile the policy marks the traced ops
+    and the partitioner recomputes them (no Python rerun, so no scratch buffers), and
+    dynamo takes only selective policies' contexts."""
     if torch.compiler.is_compiling():
         return create_selective_checkpoint_contexts(_policy(region.saved))
     held = [(owner, name, owner._buffers[name].detach().clone()) for owner, name in buffers
             if owner._buffers.get(name) is not None]
-    tensors = _tensors_of(module, {(id(owner), name) for owner, name in buffers})
+    tensors = _tensors_of(running, {(id(owner), name) for owner, name in buffers})
     if not region.saved:
         return contextlib.nullcontext(), _Rerun(tensors, held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
@@ -375,13 +377,14 @@ Tensors = list[tuple[nn.Module, str, str, torch.Tensor]]
 """(module, "_parameters" or "_buffers", name, tensor) for the tensors modules hold."""
 
 
-def _tensors_of(module: nn.Module, written: set[tuple[int, str]]) -> Tensors:
-    """The parameters and buffers of `module` and its submodules as a call starts: those
-    its rerun must read (`torch.func.functional_call` puts others in place for the call
-    alone, and has put the module's own back by the backward). The buffers the call
-    writes, (id of owner, name) in `written`, are left to their copies (`_scratch`):
-    holding one the call reassigns would keep its old tensor alive."""
-    return [(owner, kind, name, tensor) for owner in module.modules() for kind in ("_parameters", "_buffers")
+def _tensors_of(running: list[nn.Module], written: set[tuple[int, str]]) -> Tensors:
+    """The parameters and buffers of the modules `running` and their submodules as a call
+    starts: those its rerun must read (`torch.func.functional_call` puts others in place
+    for the call alone, and has put the module's own back by the backward). The buffers
+    the call writes, (id of owner, name) in `written`, are left to their copies
+    (`_scratch`): holding one the call reassigns would keep its old tensor alive."""
+    owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
+    return [(owner, kind, name, tensor) for owner in owners for kind in ("_parameters", "_buffers")
             for name, tensor in getattr(owner, kind).items()
             if tensor is not None and (kind == "_parameters" or (id(owner), name) not in written)]
 
@@ -411,28 +414,24 @@ class _Rerun:
     mode saved (`recompute`, None for a plain region); later reruns recompute every op,
     that mode having handed its saved outputs to the first (PyTorch's own selective
     checkpoint refuses a second backward). The copies of the buffers as the call started
-    are dropped when the first rerun ends, as plans price them; a later rerun runs on
-    copies of the buffers as they are then."""
+    live as long as checkpoint holds this context, until the call's autograd nodes are
+    done, as plans price them: every rerun reads them."""
 
     def __init__(self, tensors: Tensors, held: list[tuple[nn.Module, str, torch.Tensor]], recompute: Any) -> None:
         self.tensors = tensors
-        self.held: list[tuple[nn.Module, str, torch.Tensor]] | None = held
-        self.buffers = [(owner, name) for owner, name, _ in held]
+        self.held = held
         self.recompute = recompute
         self.stack = contextlib.ExitStack()
 
     def __enter__(self) -> None:
-        held = self.held if self.held is not None else [
-            (owner, name, owner._buffers[name].detach()) for owner, name in self.buffers]
         self.stack.enter_context(_swapped(self.tensors))
-        self.stack.enter_context(_scratch(held))
+        self.stack.enter_context(_scratch(self.held))
         if self.recompute is not None:
             self.stack.enter_context(self.recompute)
             self.recompute = None
 
     def __exit__(self, *exc: Any) -> None:
         self.stack.close()
-        self.held = None
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ the traced step's, and PyTorch's chunked `linear_cross_entropy` is recorded op b
 from __future__ import annotations
 
 import operator
+import os
 import random
 import re
 import sys
@@ -602,8 +603,7 @@ def _host_random_kept() -> Iterator[None]:
 @contextmanager
 def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
     """While tracing, what eager Python holds past its last read: a module call's tensor
-    arguments until the call returns, the tensors in its caller's variables as it starts
-    (`_caller_locals`) until it returns, the tensors of a tuple a call returns (unpacked
+    arguments until the call returns, the tensors of a tuple a call returns (unpacked
     into its caller's locals) until the caller returns, what
     scaled_dot_product_attention holds in its own (`_AttentionLocals`), and what the
     variables of the model's Python functions hold as each torch call runs
@@ -611,10 +611,9 @@ def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
     the last node traced while it is held."""
     holds: dict[str, str] = {}
     frames: list[list[torch.fx.Node]] = []
-    modules = {id(m) for m in model.modules()}
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        frames.append(_traced_nodes((args, kwargs)) + _caller_locals(modules))
+        frames.append(_traced_nodes((args, kwargs)))
 
     def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         _hold(holds, frames.pop())
@@ -641,17 +640,7 @@ def _hold(holds: dict[str, str], nodes: list[torch.fx.Node]) -> None:
         holds.update((node.name, last.name) for node in nodes)
 
 
-def _caller_locals(modules: set[int]) -> list[torch.fx.Node]:
-    """The traced tensors in the variables of the innermost forward of `modules` (by id)
-    that runs the module call starting now: they stay bound while the call runs
-    (`x = self.norm(x + y)` holds the old `x` until the norm returns)."""
-    frame = sys._getframe()
-    while frame is not None and not (frame.f_code.co_name == "forward" and id(frame.f_locals.get("self")) in modules):
-        frame = frame.f_back
-    return [] if frame is None else _traced_nodes(list(frame.f_locals.values()))
-
-
-_TRACING_CODE = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+_TRACING_CODE = (str(Path(torch.__file__).parent) + os.sep, str(Path(__file__).parents[1]) + os.sep)
 """Where torch's and optremat's own Python lives: under a trace its frames are the
 tracer's, fake tensors' and decompositions' as much as the model's."""
 
