@@ -242,9 +242,11 @@ class RegionMap:
         return self._within_a_unit(call) and call not in self._never_rerun
 
     @cached_property
-    def forward_writes(self) -> list[int]:
-        """The forward ops that write in place, in order."""
-        return np.nonzero(self.facts.in_place & ~self.graph.backward)[0].tolist()
+    def last_write(self) -> dict[int, int]:
+        """Per storage owner, the last forward op that writes it in place."""
+        facts, graph = self.facts, self.graph
+        return {int(facts.owner[graph.alias_of[w]]): w
+                for w in np.nonzero(facts.in_place & ~graph.backward)[0].tolist()}
 
     @cached_property
     def _never_rerun(self) -> frozenset[Call]:
@@ -398,7 +400,7 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
            for v in nodes if v <= last):
         return None
     read = {int(facts.owner[p]) for v in nodes for p in graph.preds[v].tolist() if p not in inside} - copied
-    if any(w > end and int(facts.owner[graph.alias_of[w]]) in read for w in rmap.forward_writes):
+    if any(rmap.last_write.get(owner, -1) > end for owner in read):
         return None
     stop = last if _saves_its_output(rmap, last) else last - 1
     t = min(s for v in nodes for s in facts.unpacks[v])
