@@ -674,6 +674,9 @@ def test_a_compiled_causal_lm_runs_each_shape_in_the_chunks_planned_for_it() -> 
         ran.append(optremat.CausalLMLoss(model.lm_head, ids).running_chunks())
     planned = [plan.chunking.chunks for plan in backend.plans]
     assert len(planned) == 2 and planned[0] != planned[1] and ran == [planned[0], planned[1], planned[0]]
+    copied = copy.deepcopy(model)  # compiles its own base model, at any shape
+    ids = torch.randint(0, 4096, (2, 64))
+    torch.testing.assert_close(copied(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss)
 
 
 def test_compile_causal_lm_refuses_what_it_cannot_run() -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from optremat.compiler.backend import Backend, Partitioner
+from optremat.compiler.backend import Backend
 from optremat.runtime import native
 from optremat.tracing import causal_lm
 from optremat.tracing.fingerprint import model_fingerprint
@@ -26,28 +26,36 @@ from optremat.tracing.lm_loss import AUTO, CausalLMLoss, install
 
 @dataclass(eq=False)
 class CompiledBase:
-    """A causal LM's base model compiled under a `Partitioner`: called with the loss a
-    step computes on its hidden states, it returns what runs the compiled base model with
-    that loss the one the partitioner plans with (while it runs: it compiles there), and
-    installs for the loss's head the chunks planned for its labels' shape (`chosen`; a
-    shape compiled later must not change an earlier one's)."""
+    """A causal LM's base model compiled by `backend`: called with the loss a step
+    computes on its hidden states, it returns what runs the compiled base model with that
+    loss the one the backend's partitioner plans with (while it runs: it compiles there),
+    and installs for the loss's head the chunks planned for its labels' shape (`chosen`; a
+    shape compiled later must not change an earlier one's). The compiled module is made
+    on first use and left out of copies, so a copied model compiles its own base model."""
 
-    partitioner: Partitioner
-    compiled: Callable[..., Any]
+    base: nn.Module
+    backend: Backend
     chosen: dict[tuple[int, ...], int | None] = field(default_factory=dict)
+    compiled: Callable[..., Any] | None = None
 
     def __call__(self, loss_fn: CausalLMLoss) -> Callable[..., Any]:
         return functools.partial(self._run, loss_fn)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "compiled": None}
+
     def _run(self, loss_fn: CausalLMLoss, *args: Any, **kwargs: Any) -> Any:
-        made = len(self.partitioner.plans)
-        self.partitioner.loss_fn = loss_fn
+        if self.compiled is None:
+            self.compiled = torch.compile(self.base, backend=self.backend, dynamic=False)
+        partitioner = self.backend.partitioner
+        made = len(partitioner.plans)
+        partitioner.loss_fn = loss_fn
         try:
             out = self.compiled(*args, **kwargs)
         finally:
-            self.partitioner.loss_fn = None
+            partitioner.loss_fn = None
         shape = tuple(loss_fn.labels.shape)
-        chunked = [plan.chunking for plan in self.partitioner.plans[made:] if plan.chunking is not None]
+        chunked = [plan.chunking for plan in partitioner.plans[made:] if plan.chunking is not None]
         if chunked:
             self.chosen[shape] = chunked[-1].chunks
         if shape in self.chosen:
@@ -75,6 +83,5 @@ def compile_causal_lm(model: nn.Module, backend: Backend) -> nn.Module:
         reason = causal_lm.unsupported(model) if isinstance(model, nn.Module) else f"{type(model).__name__} is no model"
         raise ValueError(f"compile_causal_lm runs a transformers causal LM's own loss after its compiled base model, "
                          f"and {reason}")
-    compiled = CompiledBase(backend.partitioner, torch.compile(model.base_model, backend=backend, dynamic=False))
     return native.install(model, (), training=True, fingerprint=model_fingerprint(model),
-                          forward=causal_lm.HeadInChunks(AUTO, compiled))
+                          forward=causal_lm.HeadInChunks(AUTO, CompiledBase(model.base_model, backend)))
