@@ -79,8 +79,8 @@ def compile_causal_lm(model: nn.Module, backend: Backend) -> nn.Module:
     if backend.partitioner.loss_fn is not None:
         raise ValueError("this backend prices a loss_fn of its own; the model's loss is the one run after its base "
                          "model: make the backend without loss_fn")
-    if not isinstance(model, nn.Module) or causal_lm.unsupported(model) is not None:
-        reason = causal_lm.unsupported(model) if isinstance(model, nn.Module) else f"{type(model).__name__} is no model"
+    reason = causal_lm.unsupported(model) if isinstance(model, nn.Module) else f"{type(model).__name__} is no model"
+    if reason is not None:
         raise ValueError(f"compile_causal_lm runs a transformers causal LM's own loss after its compiled base model, "
                          f"and {reason}")
     return native.install(model, (), training=True, fingerprint=model_fingerprint(model),
