@@ -117,12 +117,13 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _plan_model(args: argparse.Namespace, progress: Callable) -> int:
-    from optremat.models import load
+    from optremat.models import load, own_loss_or_sum
     from optremat.planning.model import plan
 
     example = load(args.model)
+    given = None if example.loss_fn is own_loss_or_sum else example.loss_fn  # plan's own default, LM head chunks
     result = plan(example.model, example.inputs, args.budget, solver=args.solver, time_limit=args.time_limit,
-                  loss_fn=example.loss_fn, device=args.device,
+                  loss_fn=given, device=args.device,
                   workers=args.workers, seed=args.seed, deterministic=args.deterministic,
                   progress=(lambda e, c, b: progress(e, 1 + c, 1 + b, 1.0)) if args.progress else None,
                   cache=args.cache, parallel=_parallel(args))

@@ -326,7 +326,7 @@ def load(spec: str) -> Example:
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
         raise ValueError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
     inputs = made[1] if isinstance(made[1], (tuple, dict)) else (made[1],)
-    return Example(made[0], inputs, made[2] if len(made) == 3 else _own_loss_or_sum)
+    return Example(made[0], inputs, made[2] if len(made) == 3 else own_loss_or_sum)
 
 
 @contextlib.contextmanager
@@ -343,7 +343,9 @@ def _importable(*folders: Path) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-def _own_loss_or_sum(output: object) -> torch.Tensor:
+def own_loss_or_sum(output: object) -> torch.Tensor:
+    """The loss of a model file's step that gives none: the output's own (`outputs.loss`),
+    else the sum of its floating-point tensors."""
     own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(own, torch.Tensor):
         return own

@@ -16,12 +16,13 @@ import torch
 
 import optremat
 from optremat.core.schedule import keep_all, peak_floor, simulate
-from optremat.ilp.composed import solve_chain
+from optremat.ilp.composed import FrontierMemo, solve_chain
 from optremat.ilp.region_cpsat import solve_regions
 from optremat.ilp.region_model import RegionModel
 from optremat.planners.chain import BACKWARD, FORWARD, MIDDLE, chain_of
 from optremat.planners.regions import price
 from optremat.planning.native import region_map
+from optremat.tracing.causal_lm import running
 from optremat.tracing.extract import trace
 from tests.test_region_model import every_plan
 
@@ -123,6 +124,28 @@ def test_one_rank_of_fsdp_composes_its_blocks_too() -> None:
     composed = solve_chain(chain, budget, 10, deterministic=True)
     assert composed.priced.result.peak_bytes <= budget
     assert math.isfinite(composed.bound) and composed.bound <= composed.priced.cost
+
+
+def test_the_frontiers_of_one_chunk_count_serve_the_next() -> None:
+    """The same step with its LM head whole and in 4 token chunks: the blocks' frontiers
+    solved for the first are read from the memo for the second, whose composed plan and
+    bound are those it gets solved alone."""
+    model, batch = llama(4)
+    chains = []
+    for chunks in (None, 4):
+        with running(model, chunks):
+            rmap = region_map(trace(model, batch, None), model, "cpu")
+        chains.append(chain_of(rmap))
+    budget = int(0.8 * simulate(chains[1].rmap.graph, keep_all(chains[1].rmap.graph)).peak_bytes)
+    memo, own = FrontierMemo(), FrontierMemo()
+    solve_chain(chains[0], budget, 10, deterministic=True, memo=memo)
+    first = set(memo.cells)
+    shared = solve_chain(chains[1], budget, 10, deterministic=True, memo=memo)
+    alone = solve_chain(chains[1], budget, 10, deterministic=True, memo=own)
+    assert first & set(own.cells)
+    assert shared.priced.cost == pytest.approx(alone.priced.cost, rel=1e-9)
+    assert shared.priced.result.peak_bytes == alone.priced.result.peak_bytes <= budget
+    assert shared.bound == pytest.approx(alone.bound, rel=1e-9)
 
 
 class Block(torch.nn.Module):

@@ -312,6 +312,21 @@ def test_the_count_chosen_is_the_cheapest_of_every_count_planned_alone(lm, few_c
     assert found.status == OPTIMAL and found.chunking.chunks in alone
 
 
+def test_progress_reports_the_cheapest_plan_so_far_and_a_bound_over_every_count(lm, few_choices) -> None:
+    """Each report is of the whole head's step: the plan never gets dearer, the bound
+    (counts not solved yet bounded by their steps' own cost) never falls or passes it,
+    and the last report is the plan."""
+    model, idx, ids, per_block = lm
+    reports = []
+    found = optremat.plan(model, (idx,), per_block.predicted_peak_bytes, loss_fn=CausalLMLoss(model.head, ids),
+                          time_limit=5, progress=lambda *report: reports.append(report))
+    assert reports
+    for (_, cost, bound), (_, later_cost, later_bound) in zip(reports, reports[1:]):
+        assert later_cost <= cost and later_bound >= bound
+    assert all(bound <= cost for _, cost, bound in reports)
+    assert reports[-1][1:] == (found.predicted_overhead, found.lower_bound)
+
+
 def test_replanning_with_the_loss_of_one_batch_plans_a_batch_of_another_size(lm, few_choices) -> None:
     """A `CausalLMLoss` holds the labels of the batch it was made for; at a batch of
     another size its labels are shaped as that batch's for planning, and the step trains

@@ -21,6 +21,13 @@ costs at least the cheapest plan under the cap of its grid cell. The least total
 those cells (a knapsack, `_bound`) bounds every plan of regions inside the blocks, not
 only the options'.
 
+Planning the same step with its LM head in several chunk counts solves the same block
+again and again: a `FrontierMemo`, handed from one count's solve to the next, keeps
+each frontier under the content of its CP-SAT model (the block's decisions and their
+costs, and the row of bytes at the event, relative to the unplanned step there, with ops
+numbered from the block's first), so a frontier is solved once for every step whose model
+for it is the same.
+
 Both rest on the blocks being alike: what a block's plan does to a segment depends only
 on how the segment stands to the block, and what two blocks' plans do adds up. The
 composed plan is priced whole on the simulator, which checks that for it; a bound above
@@ -104,20 +111,31 @@ class _Timeline:
     anchor: int
 
 
+class FrontierMemo:
+    """Frontiers solved so far, by the content of their CP-SAT models (see module): the
+    least bytes of each, and its cells."""
+
+    def __init__(self) -> None:
+        self.least: dict[tuple, int | None] = {}
+        self.cells: dict[tuple, list[_Cell] | None] = {}
+
+
 def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 0, seed: int = 0,
-                deterministic: bool = False) -> Composed | None:
+                deterministic: bool = False, memo: FrontierMemo | None = None) -> Composed | None:
     """The cheapest composition of per-block options that fits `budget`, with the bound
     on every plan of regions inside the blocks; None when the middle block does not see
     every relation another block needs (a chain of three or four blocks with gaps between
     them) or the step has no gap between the forwards and the backwards.
     The options come from the frontiers at the anchor and at the event where the first
-    composed plan peaks; the bound is the better of the knapsacks at those two events."""
+    composed plan peaks; the bound is the better of the knapsacks at those two events.
+    `memo` keeps the frontiers solved for the next step with the same blocks."""
     started = time.perf_counter()
     timeline = _timeline(chain)
     if timeline is None:
         return None
     frontiers = _Frontiers(RegionModel(chain.rmap, chain.inner[timeline.middle]), timeline,
-                           (time_limit, workers, seed, deterministic, started))
+                           (time_limit, workers, seed, deterministic, started), memo or FrontierMemo(),
+                           int(chain.rmap.members[chain.blocks[timeline.middle]].min()))
     limits = (min(time_limit, COMPOSE_SECONDS), workers, seed, deterministic)
     found: list[tuple[Region, ...]] = []
     bound = _relaxed(chain, timeline, frontiers, timeline.anchor, budget, found)
@@ -184,30 +202,44 @@ def _relations(chain: Chain, blocks: Iterable[int]) -> set[tuple[str, int]]:
 class _Frontiers:
     """Per event of the middle block (a stage), the cheapest plans of the block under a
     grid of caps on its bytes there, and the grid's cells (`cells`); the least bytes any
-    plan of the block holds there (`least`). Each solved once."""
+    plan of the block holds there (`least`). Each solved once, into `memo`."""
 
-    def __init__(self, model: RegionModel, timeline: _Timeline, limits: tuple) -> None:
-        self.model, self.timeline, self.limits = model, timeline, limits
-        self._cells: dict[int, list[_Cell] | None] = {}
-        self._least: dict[int, int | None] = {}
+    def __init__(self, model: RegionModel, timeline: _Timeline, limits: tuple, memo: FrontierMemo,
+                 first: int) -> None:
+        self.model, self.timeline, self.limits, self.memo, self.first = model, timeline, limits, memo, first
+        self._keys: dict[int, tuple] = {}
+        self._decisions = _decisions(model, first)
 
     def least(self, stage: int) -> int | None:
         """The least bytes beyond the unplanned block's any plan holds at `stage` (a lower
         bound when not proven), None when the solver found none in time."""
-        if stage not in self._least:
+        key = self._key(stage)
+        if key not in self.memo.least:
             cp = _Cp(self.model, None)
             cp.add_rows([self.model.row(stage, stage, OWN)])
             status, solver = _solve(cp, *self.limits)
             ok = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-            self._least[stage] = math.floor(solver.best_objective_bound) - int(self.timeline.curve[stage]) if ok else None
-        return self._least[stage]
+            self.memo.least[key] = (math.floor(solver.best_objective_bound) - int(self.timeline.curve[stage])
+                                    if ok else None)
+        return self.memo.least[key]
 
     def cells(self, stage: int) -> list[_Cell] | None:
         """The grid's cells at `stage`, by their least bytes (None when the least bytes
         were not found in time; past the time limit the rest is one cell costing 0)."""
-        if stage not in self._cells:
-            self._cells[stage] = self._solve_cells(stage)
-        return self._cells[stage]
+        key = self._key(stage)
+        if key not in self.memo.cells:
+            self.memo.cells[key] = self._solve_cells(stage)
+        return self.memo.cells[key]
+
+    def _key(self, stage: int) -> tuple:
+        """The content of the model of the block's bytes at `stage`: its decisions and
+        the row of that event, relative to the unplanned step's bytes there."""
+        if stage not in self._keys:
+            row = self.model.row(stage, stage, OWN)
+            terms = tuple((size, tuple(tuple((_moved(atom, self.first), on) for atom, on in way) for way in ways))
+                          for size, ways in row.terms)
+            self._keys[stage] = (self._decisions, row.constant - int(self.timeline.curve[stage]), terms)
+        return self._keys[stage]
 
     def _solve_cells(self, stage: int) -> list[_Cell] | None:
         """The cheapest plan under each of CELLS caps, evenly from the least bytes any
@@ -233,6 +265,28 @@ class _Frontiers:
             below = cap + 1
         cells.append(_Cell(below, 0.0, None))
         return cells
+
+
+def _decisions(model: RegionModel, first: int) -> tuple:
+    """What `_Cp` builds the decisions of `model` from, ops numbered from `first`: the
+    candidates, what each may save and recompute at what cost (seconds, before scaling to
+    the step), and which exclude each other."""
+    graph = model.graph
+
+    def ops(nodes: Iterable[int]) -> tuple[int, ...]:
+        return tuple(int(v) - first for v in nodes)
+
+    calls = tuple((c.index, c.call, ops(sorted(c.forced)), c.rerun.cost, c.rerun.policy_looks,
+                   ops(model.saveable[c.index]), ops(model.owner[list(c.rerun.recomputable)]),
+                   graph.cost[list(c.rerun.recomputable)].tobytes(), ops(model.read_back(c)))
+                  for c in model.calls)
+    return calls, tuple(tuple(sorted(group)) for group in model.shared), model.rmap.dispatch_seconds
+
+
+def _moved(atom: tuple[str, int, int], first: int) -> tuple[str, int, int]:
+    """A decision with the op it names numbered from `first` (a candidate's own is not an op)."""
+    kind, op, call = atom
+    return atom if kind == "x" else (kind, op - first, call)
 
 
 def _near(cells: list[_Cell], chosen: list[int] | None) -> list[tuple[Region, ...]]:

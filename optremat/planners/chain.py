@@ -62,14 +62,15 @@ class Chain:
 
 
 COVERAGE = 0.5
-"""The least share of the step's forward ops a chain's blocks must run: a chain of layer
-norms is no skeleton to plan a model by."""
+"""The least share of the step's forward compute (seconds; ops where none is priced) a
+chain's blocks must run: a chain of layer norms is no skeleton to plan a model by, and a
+head run in 128 token chunks, many small ops, takes no chain of decoder layers away."""
 
 
 def chain_of(rmap: RegionMap, least: int = 3) -> Chain | None:
     """The chain of at least `least` identical blocks, among the module calls of one
-    depth, running the most ops (at least COVERAGE of the forward's), whose forwards and
-    backwards each run as consecutive stages; None if there is none."""
+    depth, running the most forward compute (at least COVERAGE of the step's), whose
+    forwards and backwards each run as consecutive stages; None if there is none."""
     best = None
     for structure in rmap.structures():
         groups: dict[tuple, list[Call]] = defaultdict(list)
@@ -79,12 +80,20 @@ def chain_of(rmap: RegionMap, least: int = 3) -> Chain | None:
             if len(calls) >= least and (best is None or _coverage(rmap, calls) > _coverage(rmap, best.blocks)):
                 found = _chain(rmap, tuple(calls))
                 best = found or best
-    forward = int((~rmap.graph.backward & ~rmap.graph.pinned).sum())
+    graph = rmap.graph
+    forward = _weights(rmap)[~graph.backward & ~graph.pinned].sum()
     return best if best is not None and _coverage(rmap, best.blocks) >= COVERAGE * forward else None
 
 
-def _coverage(rmap: RegionMap, calls: tuple[Call, ...] | list[Call]) -> int:
-    return sum(len(rmap.members[call]) for call in calls)
+def _weights(rmap: RegionMap) -> np.ndarray:
+    """What an op weighs in a chain's coverage: its cost, or 1 where the step has none."""
+    graph = rmap.graph
+    return graph.cost if graph.cost[~graph.backward].sum() > 0 else np.ones(graph.n)
+
+
+def _coverage(rmap: RegionMap, calls: tuple[Call, ...] | list[Call]) -> float:
+    weights = _weights(rmap)
+    return float(sum(weights[rmap.members[call]].sum() for call in calls))
 
 
 def _signature(rmap: RegionMap, call: Call) -> tuple:

@@ -62,35 +62,41 @@ S = TypeVar("S", bound=Step)
 
 
 def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | None], head: str,
-                  budget_bytes: int, solve: Callable[[S, float], Plan], time_limit: float) -> Plan:
+                  budget_bytes: int, solve: Callable[[S, float], Plan], time_limit: float,
+                  report: Callable[[float, float], None] | None = None) -> Plan:
     """The cheapest plan that fits over every count in `tried`: `whole` is the step with
     the whole head, `map_for(k)` the one in k chunks, `solve(step, time_limit)` the
     plan for one (each gets an equal share of `time_limit`). Counts are
     solved from the cheapest step up; one whose step alone costs more than a plan found
-    already is not solved, its step's cost its bound. Ties go to fewer chunks. OPTIMAL
-    when the plan meets the least bound of all counts (a count no plan fits counts only
-    when its search proved it). InfeasibleBudget when no count fits, naming the least
-    peak found over all."""
+    already is not solved. A count's bound is its search's, or where that search proved
+    none (or did not run) its step's own cost: no plan of it costs less. Ties go to fewer
+    chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
+    fits counts only when its search proved it). `report(overhead, bound)`, if given, is
+    called after each count is solved, once a plan fits, with the cheapest plan so far and
+    the least bound over every count, both of the whole head's step. InfeasibleBudget when no count fits,
+    naming the least peak found over all."""
     total = whole.graph.total_cost
     share = time_limit / len(tried)
     maps = {k: whole if k is None else map_for(k) for k in tried}
-    found: dict[int | None, tuple[Plan | None, float, float | None]] = {}
+    scale = {k: maps[k].graph.total_cost / total for k in tried}
+    found: dict[int | None, tuple[Plan | None, float, float]] = {}
     refusals: list[InfeasibleBudget] = []
-    for k in sorted(tried, key=lambda k: maps[k].graph.total_cost):
-        scale = maps[k].graph.total_cost / total
-        if scale - 1 > min((f[1] for f in found.values()), default=math.inf) + ROUNDING:
-            found[k] = (None, math.inf, scale - 1)
+    for k in sorted(tried, key=lambda k: scale[k]):
+        if scale[k] - 1 > min((f[1] for f in found.values()), default=math.inf) + ROUNDING:
+            found[k] = (None, math.inf, scale[k] - 1)
             continue
         try:
             plan = solve(maps[k], share)
         except InfeasibleBudget as error:
             refusals.append(error)
-            if not error.impossible:
-                found[k] = (None, math.inf, scale - 1)  # not proven impossible: bound by the step's cost
-            continue
-        bound = None if plan.lower_bound is None else (1 + plan.lower_bound) * scale - 1
-        found[k] = (plan, (1 + plan.predicted_overhead) * scale - 1, bound)
-    fitting = [(k, *found[k]) for k in tried if k in found and found[k][0] is not None]
+            found[k] = (None, math.inf, math.inf if error.impossible else scale[k] - 1)
+        else:
+            bound = scale[k] - 1 if plan.lower_bound is None else (1 + plan.lower_bound) * scale[k] - 1
+            found[k] = (plan, (1 + plan.predicted_overhead) * scale[k] - 1, bound)
+        best = min(f[1] for f in found.values())
+        if report is not None and math.isfinite(best):
+            report(best, min(found[j][2] if j in found else scale[j] - 1 for j in tried))
+    fitting = [(k, *found[k]) for k in tried if found[k][0] is not None]
     if not fitting:
         smallest = min(refusals, key=lambda e: e.smallest)
         floors = [e.floor for e in refusals]
@@ -100,11 +106,9 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
                                floor=None if None in floors else min(floors), note=refusals[0].note)
     least = min(f[2] for f in fitting)
     k, plan, overhead, _ = next(f for f in fitting if f[2] <= least + ROUNDING)  # `tried` lists fewer chunks first
-    bounds = [b for _, _, b in found.values()]
-    bound = None if any(b is None for b in bounds) else min(bounds)
-    scale = plan.graph.total_cost / total
+    bound = min(f[2] for f in found.values())
     return replace(plan, baseline_peak_bytes=simulate(whole.graph, keep_all(whole.graph)).peak_bytes,
                    predicted_overhead=overhead, lower_bound=bound,
-                   status=OPTIMAL if bound is not None and overhead <= bound + ROUNDING else FEASIBLE,
-                   solver_overhead=(1 + plan.solver_overhead) * scale - 1,
+                   status=OPTIMAL if overhead <= bound + ROUNDING else FEASIBLE,
+                   solver_overhead=(1 + plan.solver_overhead) * scale[k] - 1,
                    chunking=Chunking(head, k, simulate(plan.graph, keep_all(plan.graph)).peak_bytes, tuple(tried)))

@@ -23,6 +23,7 @@ from optremat.core.budget import ACCEPTED, check_budget, resolve_budget
 from optremat.core.graph import format_bytes
 from optremat.core.sharding import DDP, FSDP, Parallel
 from optremat.core.solution import Progress
+from optremat.ilp.composed import FrontierMemo
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
 from optremat.planning.chunking import choices, head_name, solve_chunked
@@ -109,15 +110,18 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         raise ValueError(f"budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} of parameters, "
                          f"inputs and gradients that every step holds; {ACCEPTED}, at least that")
 
+    memo = FrontierMemo()  # the blocks' frontiers, solved once for every chunk count's step
+
     def solve(region_plans: Any, limit: float) -> Plan:
+        reported = None if progress is None or chunked else _relative(progress, graph.total_cost)
         return solve_native(region_plans, budget_bytes, solver=solver, time_limit=limit, workers=workers, seed=seed,
-                            deterministic=deterministic, started=started,
-                            progress=None if progress is None else _relative(progress, graph.total_cost))
+                            deterministic=deterministic, started=started, memo=memo, progress=reported)
 
     def solved() -> Plan:
+        report = None if progress is None else lambda cost, bound: progress(time.perf_counter() - started, cost, bound)
         found = (solve(rmap, time_limit) if not chunked else
                  solve_chunked(rmap, lambda k: traced_map(k)[1], choices(tokens), head, budget_bytes, solve,
-                               time_limit))
+                               time_limit, report))
         if own is not None and not chunked:  # the count asked for, recorded for apply() to run
             found = replace(found, chunking=Chunking(head, asked, found.baseline_peak_bytes, (asked,)))
         chunks = None if found.chunking is None else found.chunking.chunks

@@ -24,7 +24,7 @@ from optremat.core.schedule import keep_all, kept_for_backward, peak_floor, simu
 from optremat.core.sharding import FSDP, Parallel, per_rank, unit_of
 from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
 from optremat.ilp.bounds import solver_floor
-from optremat.ilp.composed import Composed, solve_chain
+from optremat.ilp.composed import Composed, FrontierMemo, solve_chain
 from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.search import LEAST_SECONDS
 from optremat.planners.chain import Chain, chain_of
@@ -57,7 +57,7 @@ search rounds each op's cost down to a 1e-10 part of the step's."""
 
 def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit: float,
                   workers: int, seed: int, deterministic: bool, progress: Progress | None,
-                  started: float) -> Plan:
+                  started: float, memo: FrontierMemo | None = None) -> Plan:
     """The cheapest region plan that fits: region plans built for the budget (and, when
     `solver` names one, its keep set solved on the coarsened graph and lowered to module
     regions) seed an exact search over every set of non-overlapping candidate regions
@@ -72,7 +72,8 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     A budget under the step's `peak_floor` is refused without searching for a plan that
     fits, naming the least peak found in the time; so is one that neither the composition of a
     chain of COMPOSED_BLOCKS blocks nor any seed fits (at that size the search over every
-    region set finds nothing in minutes)."""
+    region set finds nothing in minutes). `memo` keeps the chain's block frontiers for the
+    next step solved with the same blocks (the same step with its head in other chunks)."""
     graph = rmap.graph
     total = graph.total_cost
     composing = time.perf_counter()
@@ -82,7 +83,7 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     if budget_bytes < floor:
         raise _under_floor(rmap, budget_bytes, floor, long, solver, _left(time_limit, composing, deterministic),
                            workers, seed, deterministic)
-    composed = _composed(chain, budget_bytes, time_limit, workers, seed, deterministic)
+    composed = _composed(chain, budget_bytes, time_limit, workers, seed, deterministic, memo)
     if composed is not None and composed.stands:
         if progress is not None:
             progress(time.perf_counter() - started, composed.result.priced.cost, composed.result.bound)
@@ -141,7 +142,7 @@ class _Chained(NamedTuple):
 
 
 def _composed(chain: Chain | None, budget_bytes: int, time_limit: float, workers: int, seed: int,
-              deterministic: bool) -> _Chained | None:
+              deterministic: bool, memo: FrontierMemo | None) -> _Chained | None:
     """The step's chain of identical blocks solved once per block and composed
     (`solve_chain`), None when the step has no such chain of SEEDED_BLOCKS blocks. The
     plan stands within COMPOSED_GAP of its bound; otherwise it competes in the search over
@@ -149,7 +150,8 @@ def _composed(chain: Chain | None, budget_bytes: int, time_limit: float, workers
     bound (over plans of regions inside the blocks) is the plan's."""
     if chain is None or len(chain.blocks) < SEEDED_BLOCKS:
         return None
-    composed = solve_chain(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic)
+    composed = solve_chain(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic,
+                           memo=memo)
     if composed is None:
         return None
     name = (f"composed ({len(chain.blocks)} blocks like {chain.blocks[0][0]!r}; bound over plans of regions "
