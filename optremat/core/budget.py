@@ -23,11 +23,14 @@ class InfeasibleBudget(ValueError):
     plans `scope` describes) or only the best a planner reached; `floor`, when known, is
     a peak no plan goes below (`peak_floor`), which proves a budget under it impossible
     without proving `smallest` minimal. `note` says what else limits the plans (the
-    module calls none checkpoints).
+    module calls none checkpoints). `bound`, when known, is the least overhead (a fraction
+    of the step's cost) any plan of a narrower scope could have under the budget, from a
+    search that bounded those plans but found none (a chain's composition: plans of
+    regions inside its blocks; infinite when it proved none of them fits).
     """
 
     def __init__(self, budget: int, smallest: int, planner: str, proven: bool = False, scope: str = "",
-                 floor: int | None = None, note: str = "") -> None:
+                 floor: int | None = None, note: str = "", bound: float | None = None) -> None:
         how = f"smallest feasible budget{scope}" if proven else f"smallest budget {planner} reaches"
         under = f"; no plan fits under {format_bytes(floor)}" if floor is not None and not proven else ""
         super().__init__(f"budget {format_bytes(budget)} is infeasible for {planner}; "
@@ -38,6 +41,7 @@ class InfeasibleBudget(ValueError):
         self.proven = proven
         self.floor = floor
         self.note = note
+        self.bound = bound
 
     @property
     def impossible(self) -> bool:

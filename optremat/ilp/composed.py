@@ -126,8 +126,10 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     on every plan of regions inside the blocks; None when the middle block does not see
     every relation another block needs (a chain of three or four blocks with gaps between
     them) or the step has no gap between the forwards and the backwards.
-    The options come from the frontiers at the anchor and at the event where the first
-    composed plan peaks; the bound is the better of the knapsacks at those two events.
+    The options come from the frontiers at the anchor (the plans of the cells the bound
+    chose and their neighbours, or of up to OPTIONS cells when those compose no plan) and
+    at the event where the first composed plan peaks; the bound is the better of the
+    knapsacks at those two events.
     `memo` keeps the frontiers solved for the next step with the same blocks."""
     started = time.perf_counter()
     timeline = _timeline(chain)
@@ -141,6 +143,10 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     bound = _relaxed(chain, timeline, frontiers, timeline.anchor, budget, found)
     profiled: dict[tuple[Region, ...], Option | None] = {}
     options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None, polish=False)
+    cells = frontiers.cells(timeline.anchor)
+    if priced is None and cells is not None and math.isfinite(bound):  # near the least peak: offer every cell's
+        found.extend(p for p in _near(cells, None) if p not in found)
+        options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None, polish=False)
     if priced is not None:
         bound = max(bound, _relaxed(chain, timeline, frontiers, _peak_stage(priced), budget, found))
         options, picked, again = _round(chain, timeline, found, profiled, budget, limits, picked, polish=True)

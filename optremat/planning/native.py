@@ -95,7 +95,7 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         candidates.append(composed.result.priced)
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting and candidates and composed is not None and long:
-        raise _refused(rmap, candidates, budget_bytes, solver, floor)
+        raise _refused(rmap, candidates, budget_bytes, solver, floor, composed.result.bound)
     hint = min(fitting, key=lambda c: c.cost).lowering.regions if fitting else ()
     if progress is not None and fitting:
         progress(time.perf_counter() - started, min(c.cost for c in fitting), total)
@@ -212,11 +212,15 @@ def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, sol
     return _refused(rmap, seeds, budget_bytes, solver, floor)
 
 
-def _refused(rmap: RegionMap, seeds: list[Priced], budget_bytes: int, solver: str, floor: int) -> InfeasibleBudget:
-    """The error naming the least peak of `seeds` (proven least when it meets `floor`)."""
+def _refused(rmap: RegionMap, seeds: list[Priced], budget_bytes: int, solver: str, floor: int,
+             composed: float) -> InfeasibleBudget:
+    """The error naming the least peak of `seeds` (proven least when it meets `floor`),
+    with the composition's bound (seconds) on plans of regions inside the blocks."""
     smallest = min(c.result.peak_bytes for c in seeds)
+    bound = composed / rmap.graph.total_cost - 1 if composed > -math.inf else None
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime", proven=smallest == floor,
-                            scope=" for plans of module regions", floor=floor, note=_never_checkpointed(rmap))
+                            scope=" for plans of module regions", floor=floor, note=_never_checkpointed(rmap),
+                            bound=bound)
 
 
 def _coarse_kept(rmap: RegionMap, budget_bytes: int, solver: str, time_limit: float, workers: int, seed: int,
