@@ -258,6 +258,7 @@ def tiny() -> tuple[nn.Module, tuple[torch.Tensor]]:
     ({"workers": None}, "workers must be"),
     ({"progress": True}, "progress must be None or a function, not True"),
     ({"loss_fn": "cross_entropy"}, "loss_fn must be None or a function"),
+    ({"model": lambda x: x}, "plan needs the model as a torch.nn.Module, not function"),
 ])
 def test_plan_refuses_bad_options_before_tracing(monkeypatch, options, says) -> None:
     """A value of the wrong kind raises ValueError, an option that must be a function
@@ -267,9 +268,9 @@ def test_plan_refuses_bad_options_before_tracing(monkeypatch, options, says) -> 
 
     monkeypatch.setattr(planning, "trace", traced)
     model, inputs = tiny()
-    error = TypeError if {"progress", "loss_fn"} & set(options) else ValueError
+    error = TypeError if {"progress", "loss_fn", "model"} & set(options) else ValueError
     with pytest.raises(error, match=says):
-        optremat.plan(model, inputs, **{"budget": 0.9, **options})
+        optremat.plan(**{"model": model, "example_inputs": inputs, "budget": 0.9, **options})
 
 
 def test_numpy_budget_time_limit_and_workers_plan_like_python_numbers() -> None:

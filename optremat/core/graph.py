@@ -361,6 +361,13 @@ class Graph:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+def writes_in_place(op: str) -> bool:
+    """Whether an op of a Graph (its name as `Graph.ops` holds it, "add_.Tensor") writes
+    over a tensor it is given: an in-place op, or an `out=` overload ("add.out")."""
+    name, _, overload = op.partition(".")
+    return name.endswith("_") or overload == "out" or overload.endswith("_out")
+
+
 def format_bytes(n: float) -> str:
     """Bytes in binary units, e.g. 1.50 GiB."""
     units = ("B", "KiB", "MiB", "GiB", "TiB")

@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from optremat.core.graph import Graph
+from optremat.core.graph import Graph, writes_in_place
 from optremat.core.schedule import keep_all, simulate
 
 
@@ -67,7 +67,7 @@ def min_memory_order(graph: Graph, late: np.ndarray | None = None) -> np.ndarray
     remaining = np.array([len(r) for r in readers], dtype=np.int64)
     after = [set(graph.succs[v].tolist()) for v in range(n)]
     for v in range(n):
-        if graph.alias_of[v] >= 0 and graph.ops[v].split(".")[0].endswith("_"):
+        if graph.alias_of[v] >= 0 and writes_in_place(graph.ops[v]):
             for u in readers[root[v]]:
                 if u < v:
                     after[u].add(v)
@@ -122,7 +122,7 @@ def sunk_views(graph: Graph) -> Graph:
     where a plan that recomputes the viewed tensor would have to recompute it; autograd's
     engine, and PyTorch's partitioner, run a view when it is read."""
     movable = graph.backward & (graph.alias_of >= 0) & (graph.size == 0) & ~graph.output
-    movable &= np.array([not op.split(".")[0].endswith("_") for op in graph.ops], dtype=bool)
+    movable &= np.array([not writes_in_place(op) for op in graph.ops], dtype=bool)
     order: list[int] = []
     placed = np.zeros(graph.n, dtype=bool)
 

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from optremat.core.graph import Graph
+from optremat.core.graph import Graph, writes_in_place
 from optremat.core.schedule import InvalidSchedule, Schedule, SimResult, simulate
 from optremat.heuristics.benefit import drop_order
 
@@ -332,7 +332,7 @@ class _Facts:
                  for v in range(n)]
         root = graph.storage_root
         owner = np.where(graph.is_part[root], graph.alias_of[root], root)
-        in_place = np.array([bool(graph.alias_of[v] >= 0) and graph.ops[v].split(".")[0].endswith("_")
+        in_place = np.array([bool(graph.alias_of[v] >= 0) and writes_in_place(graph.ops[v])
                              for v in range(n)], dtype=bool)
         overwritten = np.zeros(n, dtype=bool)
         overwritten[owner[graph.alias_of[in_place]]] = True

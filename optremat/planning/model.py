@@ -76,6 +76,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     head runs its chunks inside the model's forward, where FSDP2's root unit holds the
     head's weight gathered once for the whole chunk loop.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan needs the model as a torch.nn.Module, not {type(model).__name__}")
     _check(solver, parallel, budget, time_limit, workers)
     _check_callable(loss_fn=loss_fn, progress=progress)
     own = own_head(model, example_inputs, loss_fn, head_chunks)

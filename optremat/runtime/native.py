@@ -366,24 +366,26 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
         return create_selective_checkpoint_contexts(_policy(region.saved))
     held = [(owner, name, owner._buffers[name].detach().clone()) for owner, name in buffers
             if owner._buffers.get(name) is not None]
-    tensors = _tensors_of(running, {(id(owner), name) for owner, name in buffers})
+    owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
+    tensors = _tensors_of(owners, {(id(owner), name) for owner, name in buffers})
+    modes = [(owner, owner.training) for owner in owners]
     if not region.saved:
-        return contextlib.nullcontext(), _Rerun(tensors, held, None)
+        return contextlib.nullcontext(), _Rerun(tensors, held, modes, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
-    return forward, _Rerun(tensors, held, recompute)
+    return forward, _Rerun(tensors, held, modes, recompute)
 
 
 Tensors = list[tuple[nn.Module, str, str, torch.Tensor]]
 """(module, "_parameters" or "_buffers", name, tensor) for the tensors modules hold."""
 
 
-def _tensors_of(running: list[nn.Module], written: set[tuple[int, str]]) -> Tensors:
-    """The parameters and buffers of the modules `running` and their submodules as a call
-    starts: those its rerun must read (`torch.func.functional_call` puts others in place
-    for the call alone, and has put the module's own back by the backward). The buffers
-    the call writes, (id of owner, name) in `written`, are left to their copies
-    (`_scratch`): holding one the call reassigns would keep its old tensor alive."""
-    owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
+def _tensors_of(owners: list[nn.Module], written: set[tuple[int, str]]) -> Tensors:
+    """The parameters and buffers of the modules `owners` (the modules a call runs and
+    their submodules) as a call starts: those its rerun must read
+    (`torch.func.functional_call` puts others in place for the call alone, and has put
+    the module's own back by the backward). The buffers the call writes, (id of owner,
+    name) in `written`, are left to their copies (`_scratch`): holding one the call
+    reassigns would keep its old tensor alive."""
     return [(owner, kind, name, tensor) for owner in owners for kind in ("_parameters", "_buffers")
             for name, tensor in getattr(owner, kind).items()
             if tensor is not None and (kind == "_parameters" or (id(owner), name) not in written)]
@@ -415,17 +417,22 @@ class _Rerun:
     that mode having handed its saved outputs to the first (PyTorch's own selective
     checkpoint refuses a second backward). The copies of the buffers as the call started
     live as long as checkpoint holds this context, until the call's autograd nodes are
-    done, as plans price them: every rerun reads them."""
+    done, as plans price them: every rerun reads them. The modules run in the modes they
+    ran the call in (`model.eval()` before the backward must not switch a rerun's dropout
+    or batch norm)."""
 
-    def __init__(self, tensors: Tensors, held: list[tuple[nn.Module, str, torch.Tensor]], recompute: Any) -> None:
+    def __init__(self, tensors: Tensors, held: list[tuple[nn.Module, str, torch.Tensor]],
+                 modes: list[tuple[nn.Module, bool]], recompute: Any) -> None:
         self.tensors = tensors
         self.held = held
+        self.modes = modes
         self.recompute = recompute
         self.stack = contextlib.ExitStack()
 
     def __enter__(self) -> None:
         self.stack.enter_context(_swapped(self.tensors))
         self.stack.enter_context(_scratch(self.held))
+        self.stack.enter_context(_moded(self.modes))
         if self.recompute is not None:
             self.stack.enter_context(self.recompute)
             self.recompute = None
@@ -448,6 +455,19 @@ def _swapped(tensors: Tensors) -> Iterator[None]:
     finally:
         for owner, kind, name, current in reversed(replaced):
             getattr(owner, kind)[name] = current
+
+
+@contextlib.contextmanager
+def _moded(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """While it lasts, each module runs in the mode `modes` gives it."""
+    now = [(module, module.training) for module, _ in modes]
+    for module, training in modes:
+        module.training = training
+    try:
+        yield
+    finally:
+        for module, training in now:
+            module.training = training
 
 
 @contextlib.contextmanager

@@ -872,11 +872,12 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
-    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)  # `out=` is a keyword
+               for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     name = schema.name.removeprefix("aten::")
     if name in BATCH_NORMS and len(node.args) > 5 and node.args[5] is True:
-        written += [3, 4]
-    return [node.args[i] for i in written if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
+        written += node.args[3:5]
+    return [v for v in written if isinstance(v, torch.fx.Node)]
 
 
 def _mutated_buffers(gm: torch.fx.GraphModule, params: list[str], buffers: list[str]) -> tuple[str, ...]:

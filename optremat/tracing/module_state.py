@@ -4,9 +4,11 @@ tells a module call that changes it (a rerun under checkpoint would change it ag
 Tracing runs the model's own forward on fake tensors. A forward that caches a tensor in
 an attribute (a rotary table filled on first use, a buffer registered as None and set
 later) or counts its calls keeps what the trace gave it unless it is put back: a fake
-tensor where a real one belongs turns every later loss and gradient fake. `kept`
-restores every module's attributes as they were, containers (dicts, lists, sets) in place
-one level down. `python_state` is the part of a module's attributes a call can change
+tensor where a real one belongs turns every later loss and gradient fake. A forward that
+updates a plain tensor attribute in place (a statistic kept outside the buffers) updates
+the real tensor even on fake inputs. `kept` restores every module's attributes as they
+were, containers (dicts, lists, sets) in place one level down, and the contents of the
+tensors among them that were written over. `python_state` is the part of a module's attributes a call can change
 (not its parameters, buffers, submodules or hooks), compared before and after each call.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import torch
 import torch.nn as nn
 
 _OWN = frozenset(nn.Module().__dict__)
@@ -30,6 +33,7 @@ def kept(model: nn.Module) -> Iterator[None]:
     saved = [(module, dict(module.__dict__), {name: _contents(value) for name, value in module.__dict__.items()
                                               if isinstance(value, (dict, list, set))})
              for module in model.modules()]
+    values = {id(t): (t, t._version, t.detach().clone()) for module in model.modules() for t in _tensors(module)}
     try:
         yield
     finally:
@@ -38,6 +42,10 @@ def kept(model: nn.Module) -> Iterator[None]:
             module.__dict__.update(attributes)
             for name, content in contents.items():
                 _refill(attributes[name], content)
+        with torch.no_grad():
+            for tensor, version, value in values.values():
+                if tensor._version != version:
+                    tensor.copy_(value)
 
 
 def python_state(module: nn.Module) -> tuple[Any, ...]:
@@ -45,6 +53,18 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
     is not an nn.Module's own, by value where it is plain data, else by identity, a
     container's entries one level down."""
     return tuple((name, _entries(value)) for name, value in module.__dict__.items() if name not in _OWN)
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The real tensors among `module`'s own attributes, containers one level down (not
+    its parameters or buffers, which tracing replaces)."""
+    found = []
+    for name, value in module.__dict__.items():
+        if name in _OWN:
+            continue
+        inside = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set)) else ()
+        found += [t for t in (value, *inside) if isinstance(t, torch.Tensor) and not t.is_meta]
+    return found
 
 
 def _identity(value: Any) -> Any:
