@@ -114,6 +114,15 @@ def test_a_long_chain_refuses_a_budget_at_its_floor_naming_one_it_meets() -> Non
     assert met.predicted_peak_bytes <= refused.value.smallest
 
 
+def test_a_long_chain_under_its_floor_is_refused_as_impossible() -> None:
+    model, batch = llama(16, sequence=32, width=32)
+    options = dict(deterministic=True, time_limit=5, head_chunks=None)
+    floor = peak_floor(optremat.plan(model, batch, 1.0, **options).graph)
+    with pytest.raises(optremat.InfeasibleBudget) as refused:
+        optremat.plan(model, batch, floor - 1, **options)
+    assert refused.value.impossible and refused.value.floor == floor
+
+
 def test_one_rank_of_fsdp_composes_its_blocks_too() -> None:
     model, batch = llama(4)
     parallel = optremat.FSDP(units=("model.layers.*",), world=2, optimizer_state=2.0)

@@ -213,9 +213,10 @@ def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, sol
 
 
 def _refused(rmap: RegionMap, seeds: list[Priced], budget_bytes: int, solver: str, floor: int,
-             composed: float) -> InfeasibleBudget:
+             composed: float = -math.inf) -> InfeasibleBudget:
     """The error naming the least peak of `seeds` (proven least when it meets `floor`),
-    with the composition's bound (seconds) on plans of regions inside the blocks."""
+    with the composition's bound (seconds; -inf where none was solved) on plans of regions
+    inside the blocks."""
     smallest = min(c.result.peak_bytes for c in seeds)
     bound = composed / rmap.graph.total_cost - 1 if composed > -math.inf else None
     return InfeasibleBudget(budget_bytes, smallest, f"{solver} on the native runtime", proven=smallest == floor,
