@@ -163,6 +163,12 @@ def test_model_without_trainable_parameters():
         extract(model, torch.randn(1, 2))
 
 
+def test_a_loss_that_ignores_the_output_is_refused_naming_it():
+    """It planned nothing and failed later with a budget under the step's floor."""
+    with pytest.raises(ExtractionError, match="does not depend on any parameter of Linear"):
+        extract(nn.Linear(2, 2), torch.randn(1, 2), lambda y: torch.zeros((), requires_grad=True))
+
+
 def test_profiled_costs_are_measured_times():
     example = build("mlp-tiny")
     g = extract(example.model, example.inputs, example.loss_fn, cost_model="profile")

@@ -74,8 +74,8 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
     fits counts only when its search proved it). `report(overhead, bound)`, if given, is
     called after each count is solved, once a plan fits, with the cheapest plan so far and
-    the least bound over every count, both of the whole head's step. InfeasibleBudget when no count fits,
-    naming the least peak found over all."""
+    the least bound over every count, both of the whole head's step. InfeasibleBudget
+    when no count fits, naming the least peak found over all."""
     total = whole.graph.total_cost
     share = time_limit / len(tried)
     maps = {k: whole if k is None else map_for(k) for k in tried}

@@ -179,6 +179,9 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             raise
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, where())) from error
+    if not structure["gradients"]:
+        raise ExtractionError(f"the step's loss does not depend on any parameter of {type(model).__name__} that "
+                              "requires grad: there is no backward to plan; check that loss_fn uses the model's output")
 
     placeholder_kinds = (["param"] * len(params) + ["param"] * len(buffers)
                          + ["input"] * len(tree_leaves(inputs)) + ["input"] * len(grad_outputs))
