@@ -145,8 +145,9 @@ def test_a_plan_for_another_mode_warns_when_planned_and_when_it_cannot_run() -> 
     with pytest.warns(UserWarning, match="eval mode"):
         plan = optremat.plan(model, (X,), 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
     optremat.apply(model.train(), plan)
-    with pytest.warns(UserWarning, match="run unplanned"):
+    with pytest.warns(UserWarning, match="run unplanned") as warned:
         model(X)
+    assert warned[0].filename == __file__  # the line that called the model, not optremat's or torch's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(X)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -23,6 +22,7 @@ from optremat.planners.solve import SOLVERS
 from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime import native
+from optremat.runtime.caller import warn
 from optremat.tracing import causal_lm, lm_loss
 from optremat.tracing.extract import ExtractionError
 from optremat.tracing.inputs import Inputs, input_types
@@ -98,7 +98,7 @@ class Replanning:
             # InfeasibleBudget, a budget below what every step holds, a loss that cannot take this shape's output
             if isinstance(error, PlanningFailed) and not error.refused:
                 raise
-            warnings.warn(f"optremat: inputs {_shown(key)}: {error}; running the plan applied", stacklevel=4)
+            warn(f"optremat: inputs {_shown(key)}: {error}; running the plan applied")
             return applied
         finally:
             self.planning_seconds += time.perf_counter() - started
@@ -177,9 +177,9 @@ def _every_rank_has(key: tuple[str, ...]) -> bool:
     dist.all_gather_object(keys, key)
     differ = next((rank for rank, theirs in enumerate(keys) if theirs != key), None)
     if differ is not None:
-        warnings.warn(f"optremat: rank {dist.get_rank()} steps on inputs {_shown(key)} and rank {differ} on "
-                      f"{_shown(keys[differ])}: every rank runs the plan applied at this step, so that all run "
-                      "the same regions", stacklevel=5)
+        warn(f"optremat: rank {dist.get_rank()} steps on inputs {_shown(key)} and rank {differ} on "
+             f"{_shown(keys[differ])}: every rank runs the plan applied at this step, so that all run "
+             "the same regions")
     return differ is None
 
 

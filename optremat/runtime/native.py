@@ -26,7 +26,6 @@ import contextlib
 import functools
 import inspect
 import types
-import warnings
 from collections import Counter
 from typing import Any, Callable, Iterator
 
@@ -36,6 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from optremat.planners.regions import Region, parse_span
 from optremat.planning.native import runs_its_children
+from optremat.runtime.caller import warn
 from optremat.tracing.extract import tracing
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.kv_cache import receives_cache
@@ -121,9 +121,9 @@ class _Runtime:
             return
         self.warned = True
         mode = ("train", "eval") if self.training else ("eval", "train")
-        warnings.warn(f"optremat: the plan on {type(model).__name__} was made in {mode[0]} mode and the model runs "
-                      f"in {mode[1]} mode with gradients on: these steps run unplanned; plan again in "
-                      f"{mode[1]} mode (model.{mode[1]}()) to plan them", stacklevel=5)
+        warn(f"optremat: the plan on {type(model).__name__} was made in {mode[0]} mode and the model runs "
+             f"in {mode[1]} mode with gradients on: these steps run unplanned; plan again in "
+             f"{mode[1]} mode (model.{mode[1]}()) to plan them")
 
 
 class _RegionState:
@@ -320,7 +320,7 @@ def _left_out(runtime: _Runtime, path: str, args: tuple, kwargs: dict[str, Any])
         return False
     if reason not in runtime.left_out:
         runtime.left_out.add(reason)
-        warnings.warn(f"optremat: {path or 'the model'} {reason}", stacklevel=5)
+        warn(f"optremat: {path or 'the model'} {reason}")
     return True
 
 
