@@ -30,7 +30,7 @@ from benchmarks.distributed import flash_attention
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.graph import format_bytes
 from optremat.core.schedule import keep_all, simulate
-from optremat.planners.regions import Region, kept_of, price
+from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price
 from optremat.planning.native import region_map, solve_native
 from optremat.tracing.extract import DefaultLoss, trace
 
@@ -101,15 +101,21 @@ def llama_7b() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     return llama("7b", 8192)
 
 
+def per_block_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[RegionMap, Priced]:
+    """The step's region map, its head whole, with the loss `plan()` prices, and
+    per-block checkpointing (every decoder layer whole) priced on it."""
+    rmap = region_map(trace(model, batch, DefaultLoss(), device="h100"), model, "h100")
+    layers = [Region(f"model.layers.{k}", 0) for k in range(model.config.num_hidden_layers)]
+    return rmap, price(rmap, *kept_of(rmap, layers), "per-block")
+
+
 def rows(name: str, sequence: int, time_limit: float) -> list[list[str]]:
     model, batch = llama(name, sequence)
     started = time.perf_counter()
-    rmap = region_map(trace(model, batch, DefaultLoss(), device="h100"), model, "h100")  # the loss plan() prices
+    rmap, per_block = per_block_of(model, batch)
     traced = time.perf_counter() - started
     graph = rmap.graph
     unplanned = simulate(graph, keep_all(graph)).peak_bytes
-    layers = [Region(f"model.layers.{k}", 0) for k in range(model.config.num_hidden_layers)]
-    per_block = price(rmap, *kept_of(rmap, layers), "per-block")
     budgets = [(f"{f:.0%}", int(f * unplanned)) for f in FRACTIONS]
     budgets.append((f"per-block ({per_block.result.peak_bytes / unplanned:.0%}, {per_block.overhead:+.2%})",
                     per_block.result.peak_bytes))
@@ -138,9 +144,7 @@ def planned(name: str, sequence: int) -> list[list[str]]:
     """`optremat.plan` with its defaults at each budget of `rows`: wall time, the head's
     chunks chosen, the status and the gap."""
     model, batch = llama(name, sequence)
-    rmap = region_map(trace(model, batch, DefaultLoss(), device="h100"), model, "h100")
-    layers = [Region(f"model.layers.{k}", 0) for k in range(model.config.num_hidden_layers)]
-    per_block = price(rmap, *kept_of(rmap, layers), "per-block").result.peak_bytes
+    per_block = per_block_of(model, batch)[1].result.peak_bytes
     found = []
     for label, budget in [*((f"{f:.0%}", f) for f in FRACTIONS), ("per-block", per_block)]:
         started = time.perf_counter()
@@ -183,9 +187,7 @@ def main() -> None:
         "minus bound, in points of the step's cost. Tracing: the step traced through four decoder layers, the "
         "other layers' ops copied (`optremat.tracing.repeat`), and seen as module calls.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in table),
+        *_table(header, table),
         "",
         *NOTES,
         "",
@@ -197,15 +199,17 @@ def main() -> None:
         "solved, the blocks' frontiers solved once for all counts. The bound is over every count, a count not "
         "solved (its step alone costs more than the plan) bounded by its step's cost.",
         "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
-        *("| " + " | ".join(row) + " |" for row in ends),
+        *_table(columns, ends),
         "",
         *PLAN_NOTES,
         "",
     ]
     OUT.write_text("\n".join(lines))
     print(f"wrote {OUT}")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 if __name__ == "__main__":
