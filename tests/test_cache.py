@@ -173,12 +173,14 @@ def test_cli_cache_list_and_clear(tmp_path) -> None:
     (entry,) = tmp_path.glob("*.plan.json")
     stale = tmp_path / f".{entry.name}.4242.tmp"
     stale.write_text(entry.read_text()[:100])
+    mine = tmp_path / "my_model.plan.json"  # a plan the user saved there: not the cache's to list or remove
+    optremat.plan(model, inputs, 0.7, loss_fn=loss_fn, time_limit=5).save(mine)
     listed = cli("list")
     assert listed.returncode == 0 and "1 plans in" in listed.stdout
     cleared = cli("clear")
     assert cleared.returncode == 0 and "removed 1 plans" in cleared.stdout
     assert "0 plans in" in cli("list").stdout
-    assert list(tmp_path.iterdir()) == [], "clear leaves no entry, lock or unfinished write behind"
+    assert list(tmp_path.iterdir()) == [mine], "clear leaves no entry, lock or unfinished write behind"
 
 
 @pytest.fixture

@@ -292,14 +292,16 @@ def test_a_model_file_or_function_that_fails_is_one_line_naming_it(tmp_path):
     naming the file, the function and the exception, exit 2; through the library, a
     ValueError whose cause is the exception."""
     (tmp_path / "syntax.py").write_text("this is not python(\n")
-    (tmp_path / "fails.py").write_text("def needs_args(n):\n    return n\n\n"
-                                       "def raises():\n    raise RuntimeError('boom\\n  on two lines')\n")
+    (tmp_path / "fails.py").write_text("import torch\n\ndef needs_args(n):\n    return n\n\n"
+                                       "def raises():\n    raise RuntimeError('boom\\n  on two lines')\n\n"
+                                       "def bad_loss():\n    return torch.nn.Linear(2, 2), torch.ones(2), 'mse'\n")
     for spec, says in ((f"{tmp_path / 'syntax.py'}:build", f"model file {tmp_path / 'syntax.py'} could not be loaded: "
                         "SyntaxError: "),
                        (f"{tmp_path / 'fails.py'}:needs_args", f"needs_args() in model file {tmp_path / 'fails.py'} "
                         "failed: TypeError: needs_args() missing 1 required positional argument: 'n'"),
                        (f"{tmp_path / 'fails.py'}:raises", "raises() in model file "
-                        f"{tmp_path / 'fails.py'} failed: RuntimeError: boom on two lines")):
+                        f"{tmp_path / 'fails.py'} failed: RuntimeError: boom on two lines"),
+                       (f"{tmp_path / 'fails.py'}:bad_loss", "returned a loss_fn that is not a function: 'mse'")):
         for command in (("plan", "--budget", "0.9"), ("graph",)):
             assert says in one_line_error(run(*command, "--model", spec)), (spec, command)
     with pytest.raises(ValueError, match="raises.. in model file") as error:

@@ -4,6 +4,7 @@ accelerate's FSDP2 plugin."""
 from __future__ import annotations
 
 import os
+import random
 from typing import Callable
 
 import numpy as np
@@ -35,10 +36,31 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class MaskedAtRandom(Tokens):
+    """Each sequence's first labels ignored, how many drawn from Python's and numpy's
+    generators, as data pipelines draw crops and masks."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i].clone()
+        labels[:random.randint(0, 8) + int(np.random.randint(0, 8))] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+class ReadOnce(torch.utils.data.IterableDataset):
+    """A stream whose every `iter` continues the one iterator."""
+
+    def __init__(self) -> None:
+        self.items = iter(list(Tokens(12, 128)))
+
+    def __iter__(self):
+        return self.items
+
+
 def train(tmp_path, callbacks: list, checkpointing: bool = False,
-          prepare: Callable[[torch.nn.Module], object] | None = None) -> list[float]:
+          prepare: Callable[[torch.nn.Module], object] | None = None,
+          dataset: torch.utils.data.Dataset | None = None) -> list[float]:
     """Losses of three Trainer steps of a GPT-2 from its config, seeded alike (the model
-    handed to `prepare` first, if given)."""
+    handed to `prepare` first, if given), on `dataset` (random tokens unless given)."""
     transformers.set_seed(0)
     config = transformers.GPT2Config(vocab_size=2000, n_embd=64, n_layer=3, n_head=4, n_positions=128,
                                      use_cache=False, bos_token_id=0, eos_token_id=0)
@@ -50,7 +72,8 @@ def train(tmp_path, callbacks: list, checkpointing: bool = False,
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
                                           logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
                                           seed=0, disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(12, 128), callbacks=callbacks)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset or Tokens(12, 128),
+                                   callbacks=callbacks)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -65,6 +88,18 @@ def test_the_trainer_callback_plans_on_the_first_batch_and_trains_the_same(tmp_p
     again = PlanCallback(0.7, cache=tmp_path / "plans", time_limit=1, deterministic=True)
     train(tmp_path / "again", [again])
     assert again.plan.cached
+
+
+def test_the_callback_leaves_the_data_as_training_would_read_it(tmp_path) -> None:
+    """Reading the batch to plan on drew from Python's and numpy's generators, so the
+    batches trained on were others; a stream read once would lose that batch, and is
+    refused."""
+    want = train(tmp_path / "plain", [], dataset=MaskedAtRandom(12, 128))
+    got = train(tmp_path / "planned", [PlanCallback(0.9, time_limit=2, deterministic=True, head_chunks=None)],
+                dataset=MaskedAtRandom(12, 128))
+    assert got == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="stream read once"):
+        train(tmp_path / "stream", [PlanCallback(0.9, time_limit=2)], dataset=ReadOnce())
 
 
 def test_the_trainer_trains_the_same_with_the_head_in_chunks(tmp_path) -> None:

@@ -213,9 +213,13 @@ class Partitioner(CustomPartitionerFn):
     def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float, time_limit: float
                 ) -> Plan | None:
         """optremat's own plan, priced as compiled; when that peaks over the budget, solved
-        again with the budget reduced by the excess. None when no solve fits."""
+        again with the budget reduced by the excess while time is left (each solve runs
+        up to `plan_step`'s few seconds past its time limit, so retries once the time was
+        out added those seconds each: 11.5 s on a 2 s limit). None when no solve fits."""
         target = budget_bytes
-        for _ in range(ATTEMPTS):
+        for attempt in range(ATTEMPTS):
+            if attempt and not self.deterministic and time.perf_counter() - started >= time_limit:
+                return None
             try:
                 found = plan_step(graph, target, solver=self.solver, time_limit=time_limit,
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,

@@ -189,10 +189,13 @@ def _with_node(graph: Graph, at: int, *, name: str, op: str, kind: str, size: in
 
 def _mutated_inputs(joint: torch.fx.GraphModule, primals: list[torch.fx.Node]) -> set[torch.fx.Node]:
     """The primals whose data the compiled step writes: AOTAutograd returns their new
-    values as forward outputs, described as input mutations."""
+    values as forward outputs, described as input mutations, or (with mutations kept in
+    the graph, as `keep_inference_input_mutations` keeps them) an op writes them there,
+    `copy_(primal, new)`: an op reading one before that write must not be recomputed."""
     output = next(n for n in joint.graph.nodes if n.op == "output")
     targets = [d.mutated_input for d in output.meta.get("desc") or () if isinstance(d, InputMutationAOTOutput)]
-    return {p for p in primals if p.meta.get("desc") is not None and p.meta["desc"] in targets}
+    written = {w for n in joint.graph.nodes if n.op == "call_function" for w in mutated_inputs(n)}
+    return {p for p in primals if (p.meta.get("desc") is not None and p.meta["desc"] in targets) or p in written}
 
 
 def _reads_stale(node: torch.fx.Node, mutated: set[torch.fx.Node]) -> bool:

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime.apply import Replanning, apply
+from optremat.tracing.extract import host_random_kept
 from optremat.tracing.inputs import batch_on
 from optremat.tracing.lm_loss import AUTO
 
@@ -28,8 +29,9 @@ log = logging.getLogger("optremat")
 class PlanCallback(TrainerCallback):
     """Plans and applies activation checkpointing at `budget` (bytes, a size such as
     "6GiB", or a fraction of the unplanned peak) when training begins. Reading the first
-    batch and planning leave the random number generators as they were, so training draws
-    the numbers it would draw without the callback. `plan` is the plan applied, once made;
+    batch and planning leave the random number generators as they were (torch's, numpy's
+    and Python's), so training draws the numbers it would draw without the callback; a
+    dataset read once as a stream is refused, its first batch would be lost to training. `plan` is the plan applied, once made;
     `replanning` is the `optremat.Replanning` it runs under: `replanning.plans` holds the
     plan of each input shape training has stepped on (the first batch's `plan` among
     them), and `replanning.planning_seconds` the time spent planning after the first.
@@ -57,9 +59,10 @@ class PlanCallback(TrainerCallback):
             raise ValueError("the model has transformers' own activation checkpointing on, and optremat plans "
                              "checkpointing itself: leave TrainingArguments' activation_checkpointing (or "
                              "gradient_checkpointing) off with this callback")
+        _restartable(train_dataloader)
         device = next(model.parameters()).device
         training = model.training
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), host_random_kept():
             batch = batch_on(next(iter(train_dataloader)), device)
             model.train()
             try:
@@ -72,6 +75,17 @@ class PlanCallback(TrainerCallback):
         self.replanning = Replanning(self.budget, cache=self.cache, solver=self.solver, time_limit=self.time_limit,
                                      deterministic=self.deterministic)
         apply(model, self.plan, replan=self.replanning)
+
+
+def _restartable(loader: Any) -> None:
+    """Refuse a loader whose dataset is a stream read once (an IterableDataset whose
+    `__iter__` returns the same iterator): the batch read to plan on would be lost to
+    training."""
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset) and iter(dataset) is iter(dataset):
+        raise ValueError(f"{type(dataset).__name__} is a stream read once (its __iter__ returns the same iterator), "
+                         "so the batch PlanCallback reads to plan on would not be trained on: plan the model with "
+                         "optremat.plan on an example batch and optremat.apply it before training instead")
 
 
 def _checkpointing(model: torch.nn.Module) -> bool:

@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
 from optremat.core.solution import OPTIMAL
+
+KEY = "[0-9a-f]" * 32
+"""A glob matching a key (`PlanCache.key`): the cache lists and clears only its own files,
+never a plan a user saved in the same directory."""
 from optremat.planning.result import write_atomically
 
 T = TypeVar("T")
@@ -127,7 +131,7 @@ class PlanCache:
         """Every entry on disk (corrupted ones are listed with status CORRUPTED, those of
         another cache format with OTHER FORMAT)."""
         out = []
-        for path in sorted(self.directory.glob("*.plan.json")):
+        for path in sorted(self.directory.glob(f"{KEY}.plan.json")):
             key = path.name.removesuffix(".plan.json")
             try:
                 entry = _read_entry(path)
@@ -146,10 +150,10 @@ class PlanCache:
         """Remove every entry, lock file and temporary file a write left behind (a process
         killed mid-write); returns how many entries were removed."""
         removed = 0
-        for path in self.directory.glob("*.plan.json"):
+        for path in self.directory.glob(f"{KEY}.plan.json"):
             path.unlink(missing_ok=True)
             removed += 1
-        for pattern in ("*.lock", ".*.plan.json.*.tmp"):
+        for pattern in (f"{KEY}.lock", f".{KEY}.plan.json.*.tmp"):
             for path in self.directory.glob(pattern):
                 path.unlink(missing_ok=True)
         return removed

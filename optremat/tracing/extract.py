@@ -168,7 +168,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     host_drawing: set[tuple[str, int]] = set()
     stateful: set[tuple[str, int]] = set()
     python: set[int] = set()
-    with module_state.kept(model), _tracing(), _host_random_kept(), _reentrant_checkpoint_refused(), \
+    with module_state.kept(model), _tracing(), host_random_kept(), _reentrant_checkpoint_refused(), \
             _grouped_mm_in_any_float(), eager_mask_decisions(tree_leaves(args)), \
             _module_paths(model, cached, host_drawing, stateful) as where, _python_holds(model) as holds, \
             fx_traceback.preserve_node_meta():
@@ -592,9 +592,10 @@ def _same_host_random(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
 
 
 @contextmanager
-def _host_random_kept() -> Iterator[None]:
+def host_random_kept() -> Iterator[None]:
     """Leave numpy's and Python's random number generators as they were: tracing runs the
-    model's Python, and a draw there would change what training draws next."""
+    model's Python (and reading an example batch a collator's), and a draw there would
+    change what training draws next."""
     numpy_state, python_state = _host_random()
     try:
         yield
