@@ -325,10 +325,11 @@ def load(spec: str) -> Example:
             raise failed(f"{function}() in model file {path} failed", error) from error
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
         raise ValueError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
-    if len(made) == 3 and not callable(made[2]):
-        raise ValueError(f"{spec} returned a loss_fn that is not a function: {made[2]!r}")
+    loss_fn = made[2] if len(made) == 3 and made[2] is not None else own_loss_or_sum
+    if not callable(loss_fn):
+        raise ValueError(f"{spec} returned a loss_fn that is not a function: {loss_fn!r}")
     inputs = made[1] if isinstance(made[1], (tuple, dict)) else (made[1],)
-    return Example(made[0], inputs, made[2] if len(made) == 3 else own_loss_or_sum)
+    return Example(made[0], inputs, loss_fn)
 
 
 @contextlib.contextmanager

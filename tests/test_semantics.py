@@ -736,3 +736,13 @@ def test_a_rerun_runs_its_modules_in_the_mode_they_ran_the_call_in() -> None:
         return loss.item(), {k: p.grad.clone() for k, p in m.named_parameters()}, dict(m.named_buffers())
 
     assert_same(switched(model), switched(reference))
+
+
+def test_planning_passes_over_an_inference_tensor_attribute() -> None:
+    """A table made under `torch.inference_mode()` (an evaluation before training) has no
+    version counter to compare: planning leaves it alone instead of failing."""
+    model, inputs = stateful_stack(Tally)
+    with torch.inference_mode():
+        model[0].table = torch.ones(4)
+    optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert torch.equal(model[0].table, torch.ones(4)) and torch.equal(model[0].tally, torch.zeros(4).double())

@@ -46,7 +46,7 @@ from ortools.sat.python import cp_model
 
 from optremat.core.schedule import InvalidSchedule
 from optremat.ilp.region_cpsat import SCALE, _Cp
-from optremat.ilp.region_model import OWN, RegionModel
+from optremat.ilp.region_model import OWN, RegionModel, Row
 from optremat.ilp.search import configure
 from optremat.planners.chain import (AFTER_BACKWARD, AFTER_FORWARD, BACKWARD, BEFORE, END, FORWARD, MIDDLE, Chain,
                                      Segment)
@@ -57,8 +57,8 @@ CELLS = 64
 any plan of the block holds there to what the unplanned block holds."""
 OPTIONS = 24
 """The most plans of one frontier offered to the composition when its knapsack (the
-bound) is not solved; when it is, the plans of the cells it chose and of their
-neighbours are (each option costs a simulation of the whole step to profile)."""
+bound) is not solved, or when the plans of the cells it chose and of their neighbours
+compose none (each option costs a simulation of the whole step to profile)."""
 COMPOSE_SECONDS = 1.0
 """The most seconds (or deterministic time) the choice of one option per block takes."""
 OWN_PHASES = (FORWARD, BACKWARD)
@@ -127,7 +127,8 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     every relation another block needs (a chain of three or four blocks with gaps between
     them) or the step has no gap between the forwards and the backwards.
     The options come from the frontiers at the anchor (the plans of the cells the bound
-    chose and their neighbours, or of up to OPTIONS cells when those compose no plan) and
+    chose and their neighbours, or up to OPTIONS plans across the frontier when those
+    compose no plan) and
     at the event where the first composed plan peaks; the bound is the better of the
     knapsacks at those two events.
     `memo` keeps the frontiers solved for the next step with the same blocks."""
@@ -144,7 +145,7 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     profiled: dict[tuple[Region, ...], Option | None] = {}
     options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None, polish=False)
     cells = frontiers.cells(timeline.anchor)
-    if priced is None and cells is not None and math.isfinite(bound):  # near the least peak: offer every cell's
+    if priced is None and cells is not None and math.isfinite(bound):  # near the least peak: the whole frontier
         found.extend(p for p in _near(cells, None) if p not in found)
         options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None, polish=False)
     if priced is not None:
@@ -208,61 +209,69 @@ def _relations(chain: Chain, blocks: Iterable[int]) -> set[tuple[str, int]]:
 class _Frontiers:
     """Per event of the middle block (a stage), the cheapest plans of the block under a
     grid of caps on its bytes there, and the grid's cells (`cells`); the least bytes any
-    plan of the block holds there (`least`). Each solved once, into `memo`."""
+    plan of the block holds there (`least`). Each solved once: into `memo` when proven
+    whole, else for this chain alone (a frontier cut short by this solve's time is no
+    answer for a later step with time of its own)."""
 
     def __init__(self, model: RegionModel, timeline: _Timeline, limits: tuple, memo: FrontierMemo,
                  first: int) -> None:
         self.model, self.timeline, self.limits, self.memo, self.first = model, timeline, limits, memo, first
-        self._keys: dict[int, tuple] = {}
+        self.own = FrontierMemo()
+        self._rows: dict[int, tuple[Row, tuple]] = {}
         self._decisions = _decisions(model, first)
 
     def least(self, stage: int) -> int | None:
         """The least bytes beyond the unplanned block's any plan holds at `stage` (a lower
         bound when not proven), None when the solver found none in time."""
-        key = self._key(stage)
-        if key not in self.memo.least:
+        row, key = self._row(stage)
+        found = self.memo.least.get(key, self.own.least.get(key, False))
+        if found is False:
             cp = _Cp(self.model, None)
-            cp.add_rows([self.model.row(stage, stage, OWN)])
+            cp.add_rows([row])
             status, solver = _solve(cp, *self.limits)
             ok = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-            self.memo.least[key] = (math.floor(solver.best_objective_bound) - int(self.timeline.curve[stage])
-                                    if ok else None)
-        return self.memo.least[key]
+            found = math.floor(solver.best_objective_bound) - int(self.timeline.curve[stage]) if ok else None
+            (self.memo if status == cp_model.OPTIMAL else self.own).least[key] = found
+        return found
 
     def cells(self, stage: int) -> list[_Cell] | None:
         """The grid's cells at `stage`, by their least bytes (None when the least bytes
         were not found in time; past the time limit the rest is one cell costing 0)."""
-        key = self._key(stage)
-        if key not in self.memo.cells:
-            self.memo.cells[key] = self._solve_cells(stage)
-        return self.memo.cells[key]
+        key = self._row(stage)[1]
+        found = self.memo.cells.get(key, self.own.cells.get(key, False))
+        if found is False:
+            found, whole = self._solve_cells(stage)
+            (self.memo if whole else self.own).cells[key] = found
+        return found
 
-    def _key(self, stage: int) -> tuple:
-        """The content of the model of the block's bytes at `stage`: its decisions and
-        the row of that event, relative to the unplanned step's bytes there."""
-        if stage not in self._keys:
+    def _row(self, stage: int) -> tuple[Row, tuple]:
+        """The row of the block's bytes at `stage` and its content: the block's decisions
+        and the row, relative to the unplanned step's bytes there."""
+        if stage not in self._rows:
             row = self.model.row(stage, stage, OWN)
             terms = tuple((size, tuple(tuple((_moved(atom, self.first), on) for atom, on in way) for way in ways))
                           for size, ways in row.terms)
-            self._keys[stage] = (self._decisions, row.constant - int(self.timeline.curve[stage]), terms)
-        return self._keys[stage]
+            self._rows[stage] = row, (self._decisions, row.constant - int(self.timeline.curve[stage]), terms)
+        return self._rows[stage]
 
-    def _solve_cells(self, stage: int) -> list[_Cell] | None:
+    def _solve_cells(self, stage: int) -> tuple[list[_Cell] | None, bool]:
         """The cheapest plan under each of CELLS caps, evenly from the least bytes any
         plan holds at `stage` to what the unplanned block holds; each cap's cell holds the
         plans above the cap before it, which cost at least what the cheapest under its own
-        cap costs."""
+        cap costs. And whether every cap was solved to its proof."""
         model, lowest = self.model, self.least(stage)
         if lowest is None:
-            return None
-        row, unplanned = model.row(stage, stage, OWN), int(self.timeline.curve[stage])
-        cells, below = [], lowest
+            return None, False
+        row, unplanned = self._row(stage)[0], int(self.timeline.curve[stage])
+        cells, below, whole = [], lowest, True
         for cap in sorted({int(c) for c in np.linspace(lowest, 0, CELLS)}):
             if not self.limits[3] and time.perf_counter() - self.limits[4] > self.limits[0]:
+                whole = False
                 break
             cp = _Cp(model, unplanned + cap)
             cp.add_rows([row])
             status, solver = _solve(cp, *self.limits)
+            whole &= status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
             if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 plan = model.regions({atom: bool(solver.value(var)) for atom, var in cp.var.items()})
                 cells.append(_Cell(below, cp.cost_of(solver.best_objective_bound) - model.graph.total_cost, plan))
@@ -270,7 +279,7 @@ class _Frontiers:
                 cells.append(_Cell(below, 0.0, None))
             below = cap + 1
         cells.append(_Cell(below, 0.0, None))
-        return cells
+        return cells, whole
 
 
 def _decisions(model: RegionModel, first: int) -> tuple:

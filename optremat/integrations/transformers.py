@@ -31,10 +31,11 @@ class PlanCallback(TrainerCallback):
     "6GiB", or a fraction of the unplanned peak) when training begins. Reading the first
     batch and planning leave the random number generators as they were (torch's, numpy's
     and Python's), so training draws the numbers it would draw without the callback; a
-    dataset read once as a stream is refused, its first batch would be lost to training. `plan` is the plan applied, once made;
-    `replanning` is the `optremat.Replanning` it runs under: `replanning.plans` holds the
-    plan of each input shape training has stepped on (the first batch's `plan` among
-    them), and `replanning.planning_seconds` the time spent planning after the first.
+    dataset read once as a stream is refused, its first batch would be lost to training.
+    `plan` is the plan applied, once made; `replanning` is the `optremat.Replanning` it
+    runs under: `replanning.plans` holds the plan of each input shape training has
+    stepped on (the first batch's `plan` among them), and `replanning.planning_seconds`
+    the time spent planning after the first.
     `time_limit`, `deterministic` and `head_chunks` are `optremat.plan`'s: with
     `deterministic=True` the limit is the solver's deterministic time, so the plans do not
     depend on machine load; a causal LM whose head the plan runs in chunks returns
@@ -59,10 +60,10 @@ class PlanCallback(TrainerCallback):
             raise ValueError("the model has transformers' own activation checkpointing on, and optremat plans "
                              "checkpointing itself: leave TrainingArguments' activation_checkpointing (or "
                              "gradient_checkpointing) off with this callback")
-        _restartable(train_dataloader)
         device = next(model.parameters()).device
         training = model.training
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), host_random_kept():
+            _restartable(train_dataloader)
             batch = batch_on(next(iter(train_dataloader)), device)
             model.train()
             try:

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
 from optremat.core.solution import OPTIMAL
+from optremat.planning.result import write_atomically
+
+T = TypeVar("T")
 
 KEY = "[0-9a-f]" * 32
 """A glob matching a key (`PlanCache.key`): the cache lists and clears only its own files,
 never a plan a user saved in the same directory."""
-from optremat.planning.result import write_atomically
-
-T = TypeVar("T")
 
 CACHE_FORMAT = 2
 """The entry format (2: plans that carry their own checksum); an entry of another

@@ -69,8 +69,9 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     plan for one (each gets an equal share of `time_limit`). Counts are
     solved from the cheapest step up; one whose step alone costs more than a plan found
     already is not solved. A count's bound is its search's (for a count refused unproven,
-    the bound its search put on the plans it covers), or where that search proved none
-    (or did not run) its step's own cost: no plan of it costs less. Ties go to fewer
+    the finite bound its composition put on plans of regions inside the blocks, the
+    scope composed plans' bounds have), or where that search proved none (or did not
+    run) its step's own cost: no plan of it costs less. Ties go to fewer
     chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
     fits counts only when its search proved it). `report(overhead, bound)`, if given, is
     called after each count is solved, once a plan fits, with the cheapest plan so far and
@@ -90,8 +91,9 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
             plan = solve(maps[k], share)
         except InfeasibleBudget as error:
             refusals.append(error)
+            scoped = error.bound is not None and math.isfinite(error.bound)
             found[k] = (None, math.inf, math.inf if error.impossible else
-                        scale[k] - 1 if error.bound is None else max(scale[k] * (1 + error.bound) - 1, scale[k] - 1))
+                        max(scale[k] * (1 + error.bound) - 1, scale[k] - 1) if scoped else scale[k] - 1)
         else:
             bound = scale[k] - 1 if plan.lower_bound is None else (1 + plan.lower_bound) * scale[k] - 1
             found[k] = (plan, (1 + plan.predicted_overhead) * scale[k] - 1, bound)

@@ -8,8 +8,9 @@ tensor where a real one belongs turns every later loss and gradient fake. A forw
 updates a plain tensor attribute in place (a statistic kept outside the buffers) updates
 the real tensor even on fake inputs. `kept` restores every module's attributes as they
 were, containers (dicts, lists, sets) in place one level down, and the contents of the
-tensors among them that were written over. `python_state` is the part of a module's attributes a call can change
-(not its parameters, buffers, submodules or hooks), compared before and after each call.
+tensors among them (and in tuples) that were written over. `python_state` is the part of
+a module's attributes a call can change (not its parameters, buffers, submodules or
+hooks), compared before and after each call.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def kept(model: nn.Module) -> Iterator[None]:
     saved = [(module, dict(module.__dict__), {name: _contents(value) for name, value in module.__dict__.items()
                                               if isinstance(value, (dict, list, set))})
              for module in model.modules()]
-    values = {id(t): (t, t._version, t.detach().clone()) for module in model.modules() for t in _tensors(module)}
+    values = {id(t): (t, t._version, t.detach().to("cpu", copy=True)) for module in model.modules()
+              for t in _tensors(module)}
     try:
         yield
     finally:
@@ -45,7 +47,7 @@ def kept(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for tensor, version, value in values.values():
                 if tensor._version != version:
-                    tensor.copy_(value)
+                    tensor.resize_(value.shape).copy_(value)
 
 
 def python_state(module: nn.Module) -> tuple[Any, ...]:
@@ -57,13 +59,15 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
     """The real tensors among `module`'s own attributes, containers one level down (not
-    its parameters or buffers, which tracing replaces)."""
+    its parameters or buffers, which tracing replaces, nor inference tensors, which
+    nothing outside inference mode writes). Their copies wait on the host: a cache kept
+    as an attribute on a GPU is not doubled there."""
     found = []
     for name, value in module.__dict__.items():
         if name in _OWN:
             continue
-        inside = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set)) else ()
-        found += [t for t in (value, *inside) if isinstance(t, torch.Tensor) and not t.is_meta]
+        inside = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set, tuple)) else ()
+        found += [t for t in (value, *inside) if isinstance(t, torch.Tensor) and not t.is_meta and not t.is_inference()]
     return found
 
 
