@@ -746,3 +746,23 @@ def test_planning_passes_over_an_inference_tensor_attribute() -> None:
         model[0].table = torch.ones(4)
     optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
     assert torch.equal(model[0].table, torch.ones(4)) and torch.equal(model[0].tally, torch.zeros(4).double())
+
+
+class Scaled(nn.Module):
+    """Keeps a tensor that requires grad as a plain attribute and rescales it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp()
+        self.scale = torch.ones(64, dtype=torch.float64, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.scale.mul_(2.0)
+        return torch.tanh(self.mlp(x))
+
+
+def test_planning_puts_back_a_tensor_attribute_that_requires_grad() -> None:
+    model, inputs = stateful_stack(Scaled)
+    optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert all(torch.equal(block.scale, torch.ones(64, dtype=torch.float64)) for block in model[0::2])

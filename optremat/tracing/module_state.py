@@ -47,7 +47,7 @@ def kept(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for tensor, version, value in values.values():
                 if tensor._version != version:
-                    tensor.resize_(value.shape).copy_(value)
+                    (tensor if tensor.shape == value.shape else tensor.resize_(value.shape)).copy_(value)
 
 
 def python_state(module: nn.Module) -> tuple[Any, ...]:
