@@ -144,8 +144,8 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     bound = _relaxed(chain, timeline, frontiers, timeline.anchor, budget, found)
     profiled: dict[tuple[Region, ...], Option | None] = {}
     options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None, polish=False)
-    cells = frontiers.cells(timeline.anchor)
-    if priced is None and cells is not None and math.isfinite(bound):  # near the least peak: the whole frontier
+    cells = frontiers.cells(timeline.anchor) if priced is None and math.isfinite(bound) else None
+    if cells is not None:  # near the least peak: options from across the whole frontier
         found.extend(p for p in _near(cells, None) if p not in found)
         options, picked, priced = _round(chain, timeline, found, profiled, budget, limits, None, polish=False)
     if priced is not None:

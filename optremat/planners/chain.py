@@ -71,18 +71,19 @@ def chain_of(rmap: RegionMap, least: int = 3) -> Chain | None:
     """The chain of at least `least` identical blocks, among the module calls of one
     depth, running the most forward compute (at least COVERAGE of the step's), whose
     forwards and backwards each run as consecutive stages; None if there is none."""
-    best = None
+    best, weights = None, _weights(rmap)
     for structure in rmap.structures():
         groups: dict[tuple, list[Call]] = defaultdict(list)
         for call in structure:
             groups[_signature(rmap, call)].append(call)
         for calls in groups.values():
-            if len(calls) >= least and (best is None or _coverage(rmap, calls) > _coverage(rmap, best.blocks)):
+            if len(calls) >= least and (best is None or
+                                        _coverage(rmap, weights, calls) > _coverage(rmap, weights, best.blocks)):
                 found = _chain(rmap, tuple(calls))
                 best = found or best
     graph = rmap.graph
-    forward = _weights(rmap)[~graph.backward & ~graph.pinned].sum()
-    return best if best is not None and _coverage(rmap, best.blocks) >= COVERAGE * forward else None
+    forward = weights[~graph.backward & ~graph.pinned].sum()
+    return best if best is not None and _coverage(rmap, weights, best.blocks) >= COVERAGE * forward else None
 
 
 def _weights(rmap: RegionMap) -> np.ndarray:
@@ -91,8 +92,7 @@ def _weights(rmap: RegionMap) -> np.ndarray:
     return graph.cost if graph.cost[~graph.backward].sum() > 0 else np.ones(graph.n)
 
 
-def _coverage(rmap: RegionMap, calls: tuple[Call, ...] | list[Call]) -> float:
-    weights = _weights(rmap)
+def _coverage(rmap: RegionMap, weights: np.ndarray, calls: tuple[Call, ...] | list[Call]) -> float:
     return float(sum(weights[rmap.members[call]].sum() for call in calls))
 
 
