@@ -136,6 +136,40 @@ def test_a_chunked_model_runs_its_own_forward_where_a_step_needs_the_logits(chun
         optremat.remove(model)
 
 
+def test_a_second_backward_through_a_kept_graph_gets_the_unplanned_gradients(chunked) -> None:
+    """A gradient taken with retain_graph=True (a norm of some parameters' gradients,
+    say) and then the step's backward: the chunks' saved gradients are scaled into new
+    tensors while the graph is kept, so the second backward reads them unscaled."""
+    model, batch, _, found = chunked
+
+    def twice() -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        loss = model(**batch).loss
+        first = torch.autograd.grad(0.5 * loss, [model.lm_head.weight], retain_graph=True)
+        rest = torch.autograd.grad(0.5 * loss, list(model.parameters()))
+        return [*first, *rest]
+
+    want = twice()
+    optremat.apply(model, found)
+    try:
+        assert_same(twice(), want)
+    finally:
+        optremat.remove(model)
+
+
+def test_a_gradient_penalty_through_the_chunked_head_is_refused_not_computed_wrong(chunked) -> None:
+    """The chunks compute their gradients in the forward, so they have none of their
+    own: a backward with create_graph=True says so instead of dropping those terms."""
+    model, batch, _, found = chunked
+    optremat.apply(model, found)
+    try:
+        loss = model(**batch).loss
+        with pytest.raises(RuntimeError, match="no second derivative.*head_chunks=None"):
+            torch.autograd.grad(loss, [model.model.layers[1].mlp.down_proj.weight], create_graph=True)
+    finally:
+        optremat.remove(model)
+
+
 def test_a_plan_file_chunks_the_model_which_pickles_copies_and_saves_with_its_plan(chunked, tmp_path) -> None:
     model, batch, want, found = chunked
     found.save(tmp_path / "plan.json")

@@ -67,8 +67,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     The forward holds one chunk's float32 logits (two with softcap: their tanh
     derivative) and builds the gradients of hidden, weight and bias as it goes; the
-    backward scales them by the loss's gradient in place, so it runs once (no
-    retain_graph, no double backward)."""
+    backward scales them by the loss's gradient in place, or into new tensors where the
+    graph is kept for another backward (`retain_graph`). Its gradients have no
+    gradients themselves (no double backward)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -91,9 +92,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return total / (denominator != 0)  # every label ignored: F.cross_entropy's nan, and gradients 0 as its
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
+        if torch.is_grad_enabled():
+            raise RuntimeError("optremat: the LM head's loss run in token chunks computes its gradients in the "
+                               "forward and has no second derivative, so a backward with create_graph=True "
+                               "(a gradient penalty) cannot run through it; plan with head_chunks=None (or "
+                               "CausalLMLoss(chunks=None)) to run the head whole")
+        if torch._C._autograd._get_current_graph_task_keep_graph():
+            grads = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
+        else:
+            grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None, None)
 
 
