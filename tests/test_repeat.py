@@ -4,6 +4,8 @@ whole trace's, node for node, and blocks that differ are traced whole."""
 from __future__ import annotations
 
 import copy
+import enum
+import types
 from typing import Any, Callable
 
 import numpy as np
@@ -198,3 +200,97 @@ def test_a_planned_model_of_copied_blocks_trains_as_unplanned() -> None:
 def _gradients(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     loss = model(**batch).loss
     return [loss.detach(), *torch.autograd.grad(loss, list(model.parameters()))]
+
+
+class Residual(nn.Module):
+    """A residual MLP block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(24, 48), nn.Linear(48, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Counted(Residual):
+    """The fifth of a stack (`index`, its place) counts its calls (a warm-up counter):
+    a rerun counts twice."""
+
+    calls = 0
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index == 4:
+            self.calls += 1
+            return x + self.down(torch.relu(self.up(x))) * min(self.calls, 2)
+        return super().forward(x)
+
+
+class Kind(enum.Enum):
+    PLAIN = 1
+    WIDE = 2
+
+
+def _noisy(self: Residual, x: torch.Tensor) -> torch.Tensor:
+    noise = torch.randn(x.shape[0], 48, generator=self.generator)
+    return x + self.down(torch.relu(self.up(x)) * (1 + noise))
+
+
+def _one_differs(how: str) -> nn.Sequential:
+    """Eight residual blocks of which the fifth differs in a way no plain attribute shows."""
+    torch.manual_seed(0)
+    blocks = [Counted(i) if how == "index" else Residual() for i in range(8)]
+    if how == "forward":
+        blocks[4].forward = types.MethodType(_noisy, blocks[4])
+        blocks[4].generator = torch.Generator().manual_seed(3)
+    elif how == "enum":
+        for i, block in enumerate(blocks):
+            block.kind = Kind.WIDE if i == 4 else Kind.PLAIN
+    elif how == "hook":
+        outputs: list[torch.Tensor] = []
+        for block in blocks:
+            block.register_forward_hook(lambda module, args, out: outputs.append(out))
+    return nn.Sequential(*blocks)
+
+
+@pytest.mark.parametrize("how", ["forward", "index", "enum", "hook"])
+def test_blocks_that_differ_where_no_plain_attribute_shows_are_traced_whole(how: str) -> None:
+    """A forward set on one block (drawing from its own generator), a user's block that
+    branches on its index, an enum attribute, a hook a user put on every block (keeping
+    each block's output, which a loss may read): a copy of the third block would not run
+    as they do."""
+    assert repeat.repeated_blocks(_one_differs("plain")) == ("", 8)
+    assert repeat.repeated_blocks(_one_differs(how)) is None
+
+
+def test_a_block_drawing_from_its_own_generator_is_never_rerun() -> None:
+    model, x = _one_differs("forward"), torch.randn(64, 24)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+
+    def step() -> list[torch.Tensor]:
+        model[4].generator.manual_seed(3)
+        return torch.autograd.grad(loss_fn(model(x)), list(model.parameters()))
+
+    want = step()
+    with pytest.raises(optremat.InfeasibleBudget, match="no plan checkpoints 4") as refused:
+        optremat.plan(model, x, 0.45, loss_fn=loss_fn, time_limit=2, deterministic=True)
+    plan = optremat.plan(model, x, refused.value.smallest, loss_fn=loss_fn, time_limit=2, deterministic=True)
+    assert plan.regions
+    optremat.apply(model, plan)
+    for got, expected in zip(step(), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_model_with_some_blocks_checkpointed_is_still_traced_through_four() -> None:
+    """Replanning traces a model whose plan is installed: the plan's forwards step aside
+    in a trace, so they leave the blocks alike."""
+    torch.manual_seed(0)
+    model, batch, _ = MODELS["llama"]()
+    plan = optremat.plan(model, batch, 0.76, time_limit=2, deterministic=True, head_chunks=None)
+    optremat.apply(model, plan)
+    assert any("forward" in block.__dict__ for block in model.model.layers)
+    assert repeat.repeated_blocks(model) == ("model.layers", LAYERS["num_hidden_layers"])

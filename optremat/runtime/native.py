@@ -150,6 +150,9 @@ class _PlannedForward:
     attribute lookup the loading side cannot do); it shows the signature of the forward
     it stands for, which trainers read to pick a batch's columns."""
 
+    steps_aside_while_tracing = True
+    """Read by `tracing.repeat.alike`: a trace runs the forward this one replaced."""
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 

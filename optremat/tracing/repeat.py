@@ -4,8 +4,8 @@ Tracing on fake tensors costs about a millisecond per op, so an 80-layer Llama's
 takes 20 s to trace, while its decoder layers are one computation 80 times. Where a
 plain `nn.Sequential`, or a `nn.ModuleList` run by a loop read to run each block once
 alike (`LOOPS`), holds at least `MIN_BLOCKS` blocks alike (`alike`: one class, the same
-parameters and buffers by name, shape and dtype, the same plain attributes but for their
-own index), the step is traced on a copy of the model that keeps the first three blocks
+parameters and buffers by name, shape and dtype, the same attributes but for the layer
+index transformers' modules hold, no hooks of the user's), the step is traced on a copy of the model that keeps the first three blocks
 and the last (`shortened`), and the third block's forward and backward ops, with its
 parameters, are copied for each block left out (`expanded`): a copy reads the copy
 before it (and its gradient the copy after it) as the third block read the second (and
@@ -25,6 +25,7 @@ installs while the copy runs are taken off the model's modules again (`hooks_kep
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import types
 from contextlib import contextmanager
@@ -128,40 +129,79 @@ def hooks_kept(model: nn.Module) -> Iterator[None]:
 
 def alike(blocks: list[nn.Module]) -> bool:
     """Whether `blocks` are distinct modules computing alike: per submodule the same class,
-    plain attributes (but for one holding each block's index, as `layer_idx` does) and
-    number of hooks, and the same parameters and buffers by name, shape, dtype and
-    device, none shared."""
+    the same attributes (`_value`: plain ones equal, but for the `layer_idx` of
+    transformers' own modules, which read it only to index a cache; a block's method by
+    its function, other objects by identity), no hooks but transformers' own
+    output-capturing ones, and the same parameters and buffers by name, shape, dtype and
+    device, none shared. What a block's code does with an attribute is not read, so
+    blocks of other classes must hold equal ones: a block of index 4 that branches on it
+    runs other ops than the copy of the third block."""
     tensors = [id(t) for b in blocks for _, t in [*b.named_parameters(remove_duplicate=False),
                                                   *b.named_buffers(remove_duplicate=False)]]
     if len({id(b) for b in blocks}) < len(blocks) or len(set(tensors)) < len(tensors):
         return False
+    if any(not _capturing(hook) for b in blocks for m in b.modules() for h in MODULE_HOOKS
+           for hook in getattr(m, h, {}).values()):
+        return False
     facts = [_facts(b) for b in blocks]
     if any(f[0] != facts[0][0] for f in facts):
         return False
-    attributes = [f[1] for f in facts]
-    return all(len(set(column)) == 1 or list(column) == list(range(len(blocks)))
-               for column in zip(*attributes)) and len({len(a) for a in attributes}) == 1
+    indexed = [k in INDICES and type(m).__module__.startswith("transformers.")
+               for m in blocks[0].modules() for k, _ in _attributes(m)]
+    return all(len(set(column)) == 1 or (index and list(column) == list(range(len(blocks))))
+               for column, index in zip(zip(*(f[1] for f in facts)), indexed))
+
+
+INDICES = ("layer_idx",)
+"""The attributes transformers' modules hold their layer's index in, read only to index
+the key/value cache (their attention type is another attribute, compared)."""
+
+
+def _capturing(hook: Any) -> bool:
+    """Whether `hook` is one of transformers' output-capturing hooks, which record a
+    module's output only where the call asks for hidden states or attentions."""
+    return getattr(hook, "__module__", "") == "transformers.utils.output_capturing"
 
 
 def _facts(block: nn.Module) -> tuple[tuple, tuple]:
-    """What must match between blocks, and their plain attributes by module and name."""
+    """What must match between blocks, and their attributes' values (`_value`) by module
+    and name."""
     modules = tuple((name, type(m), tuple(len(getattr(m, h, ())) for h in MODULE_HOOKS))
                     for name, m in block.named_modules())
     tensors = tuple((name, tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
                     for name, t in [*block.named_parameters(), *block.named_buffers()])
-    attributes = tuple((name, k, _hashable(v)) for name, m in block.named_modules() for k, v in sorted(vars(m).items())
-                       if not k.startswith("_") and _plain(v))
+    attributes = tuple((name, k, _value(v, m)) for name, m in block.named_modules() for k, v in _attributes(m))
     return (modules, tensors, tuple(key[:2] for key in attributes)), tuple(v for *_, v in attributes)
 
 
-def _plain(value: Any) -> bool:
+def _attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """`module`'s public attributes by name; an installed plan's forward (which steps
+    aside while a step is traced) as the forward it replaced, and left out where that is
+    the class's own."""
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_"):
+            continue
+        if getattr(value, "steps_aside_while_tracing", False):
+            value = value.replaced
+            if key == "forward" and isinstance(value, types.MethodType) and value.__self__ is module \
+                    and value.__func__ is type(module).forward:
+                continue
+        yield key, value
+
+
+def _value(value: Any, module: nn.Module) -> Any:
+    """An attribute of `module` as blocks must share it: a plain value (numbers, strings,
+    dtypes, None, tuples and lists of them) itself, a method of the module its function,
+    an enum member or a tensor's shape, dtype and device, any other object its identity."""
     if isinstance(value, (tuple, list)):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str, torch.dtype))
-
-
-def _hashable(value: Any) -> Any:
-    return tuple(map(_hashable, value)) if isinstance(value, (tuple, list)) else value
+        return tuple(_value(v, module) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
+        return value
+    if isinstance(value, types.MethodType) and value.__self__ is module:
+        return ("method", value.__func__)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, str(value.device))
+    return ("object", id(value))
 
 
 def shortened(model: nn.Module, path: str) -> nn.Module:
