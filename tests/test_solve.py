@@ -3,6 +3,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,8 +13,9 @@ from optremat.core import published
 from optremat.core.synthetic import random_training_graph
 from optremat.ilp.interval import IntervalModel
 from optremat.planners.solve import HEURISTICS, best_heuristic
+from optremat.planning.ops import plan_step
 from tests.bruteforce import optimum
-from tests.dags import graphs, training_chain
+from tests.dags import graphs, training_chain, training_graphs
 
 GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 
@@ -176,3 +178,24 @@ def test_exact_solvers_prove_the_optimum_and_every_bound_holds(g, fraction):
         check_against_optimum(g, budget, solution, best[0])
         assert solution.status == "OPTIMAL" and solution.lower_bound == pytest.approx(best[0]), solver
     check_against_optimum(g, budget, solve(g, budget, "ilp", time_limit=10, workers=1), best[0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(graph=training_graphs(max_layers=6), data=st.data())
+def test_a_step_plan_runs_once_what_must_run_once_and_prices_it_held(graph, data):
+    """`plan_step(once=...)` as compiled graphs run random ops, writes in place and the
+    gradients handed in: a plan never computes them twice, and is priced (and fitted to
+    the budget) holding their one result for every read."""
+    forward = ~graph.backward & ~graph.output & ~graph.pinned
+    once = forward & np.array(data.draw(st.lists(st.booleans(), min_size=graph.n, max_size=graph.n)))
+    unplanned = simulate(graph, keep_all(graph)).peak_bytes
+    budget = data.draw(st.integers((graph.pinned_bytes + unplanned) // 2, unplanned))
+    try:
+        found = plan_step(graph, budget, time_limit=2, deterministic=True, once=once)
+    except InfeasibleBudget as refused:
+        assert refused.smallest > budget
+        return
+    schedule, planned = found.schedule, found.graph
+    once_planned = np.array([once[graph.names.index(name)] for name in planned.names])
+    assert not once_planned[schedule.node[schedule.stage != schedule.node]].any()
+    assert found.predicted_peak_bytes == simulate(planned, schedule, share=True).peak_bytes <= budget

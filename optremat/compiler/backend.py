@@ -28,11 +28,12 @@ from optremat.compiler.inductor import compile_in_plan_order, inductor_step, pri
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.known import known, remember
 from optremat.compiler.partition import partition, writable
-from optremat.compiler.torch_partitions import RIVALS, Rivals, torch_keep_sets
+from optremat.compiler.torch_partitions import FRACTIONS, RIVALS, Rival, torch_keep_set
 from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.core.graph import Graph, format_bytes
 from optremat.core.order import best_order, sunk_views
-from optremat.core.schedule import Schedule, kept_for_backward, simulate, without_recomputing, without_unread
+from optremat.core.schedule import (Schedule, keep_all, kept_for_backward, simulate, without_recomputing,
+                                    without_unread)
 from optremat.core.solution import FEASIBLE, OPTIMAL
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
@@ -92,13 +93,13 @@ class Partitioner(CustomPartitionerFn):
         lm = self.loss_fn if isinstance(self.loss_fn, CausalLMLoss) and self.loss_fn.chunks == AUTO else None
         step = read(self.loss_fn if lm is None else lm.with_chunks(None))
 
-        def rivals(graph: Graph) -> dict[float, np.ndarray]:
-            return torch_keep_sets(gm, joint_inputs, kwargs, graph)
+        def rival(graph: Graph, fraction: float) -> np.ndarray | None:
+            return torch_keep_set(gm, joint_inputs, kwargs, graph, fraction)
 
         if lm is None or LOSS not in step.graph.names:
-            found = self._plan(step, profile, rivals, resolve_budget(step.graph, self.budget), self.time_limit)
+            found = self._plan(step, profile, rival, resolve_budget(step.graph, self.budget), self.time_limit)
         else:
-            step, found = self._chunked(lm, step, read, profile, rivals)
+            step, found = self._chunked(lm, step, read, profile, rival)
         self.plans.append(found)
         return partition(gm, step, found.graph, found.schedule, num_fwd_outputs, dict(found.shared))
 
@@ -115,7 +116,7 @@ class Partitioner(CustomPartitionerFn):
         return device_profile(profile_for(devices[0]) if devices else "cpu")
 
     def _chunked(self, lm: CausalLMLoss, whole: JointStep, read: Callable[[CausalLMLoss], JointStep],
-                 profile: DeviceProfile, rivals: Rivals) -> tuple[JointStep, Plan]:
+                 profile: DeviceProfile, rival: Rival) -> tuple[JointStep, Plan]:
         """The step and plan when the loss run between the compiled forward and backward is
         a causal LM's head and loss left to the plan (`lm`, `chunks="auto"`): the step is
         read with the loss whole and in each count of token chunks `choices` allows, each
@@ -131,12 +132,12 @@ class Partitioner(CustomPartitionerFn):
         budget_bytes = resolve_budget(whole.graph, self.budget)
         head = repr(lm.head) if isinstance(lm.head, torch.nn.Module) else f"weight {list(lm.head.shape)}"
         found = solve_chunked(whole, step_for, choices(lm.tokens()), head, budget_bytes,
-                              lambda step, limit: self._plan(step, profile, rivals, budget_bytes, limit),
+                              lambda step, limit: self._plan(step, profile, rival, budget_bytes, limit),
                               self.time_limit)
         install(lm.weights(substituted=False)[0], found.chunking.chunks)
         return steps[found.chunking.chunks], found
 
-    def _plan(self, step: JointStep, profile: DeviceProfile, rivals: Rivals, budget_bytes: int,
+    def _plan(self, step: JointStep, profile: DeviceProfile, rival: Rival, budget_bytes: int,
               time_limit: float) -> Plan:
         """The plan for `step` under `budget_bytes`: from the plan cache when it holds one
         for this graph and budget, else solved in `time_limit` seconds."""
@@ -147,7 +148,7 @@ class Partitioner(CustomPartitionerFn):
         book = (PlanCache.key(costs=hashlib.sha256(graph.cost.tobytes()).hexdigest(), **prices)
                 if self.solver == "auto" and not self.deterministic else None)
         if self.cache is None:
-            return self._solve(step, budget_bytes, rivals, book, time_limit)
+            return self._solve(step, budget_bytes, rival, book, time_limit)
         store = PlanCache(self.cache)
         key = store.key(budget=budget_bytes, seed=self.seed, deterministic=self.deterministic, **prices)
         with store.locked(key):
@@ -156,15 +157,15 @@ class Partitioner(CustomPartitionerFn):
                 if book is not None:
                     remember(book, hit)
                 return replace(hit, cached=True)
-            found = self._solve(step, budget_bytes, rivals, book, time_limit)
+            found = self._solve(step, budget_bytes, rival, book, time_limit)
             store.put(key, found.to_json(), time_limit)
             return found
 
-    def _solve(self, step: JointStep, budget_bytes: int, rivals: Rivals, book: str | None, time_limit: float
+    def _solve(self, step: JointStep, budget_bytes: int, rival: Rival, book: str | None, time_limit: float
                ) -> Plan:
         """The solver's plan priced as compiled (`_solved`). With solver "auto", the
         cheapest plan that fits wins among it, PyTorch's own partitions of the graph
-        (`rivals`, each priced as compiled) and the plans found for the same graph at
+        (`rival`, each priced as compiled) and the plans found for the same graph at
         other budgets in this process (`known`, under the key `book`; none when
         `deterministic`, whose plans must not depend on what was compiled before), each
         with recomputed tensors kept again while it fits (`_filled`): a partition PyTorch
@@ -172,19 +173,26 @@ class Partitioner(CustomPartitionerFn):
         for the budget (the Llama under Inductor at PyTorch's 0.5 peak: its 0.3 partition
         filled is priced +3.29%, its 0.5 partition filled +4.38%). When none fits, the
         least-peak plan of the heuristics' and those others' is the last try, and its peak
-        the smallest budget named: compiling again at it always finds that plan."""
+        the smallest budget named: compiling again at it always finds that plan. Unless
+        `deterministic`, no rival partition is begun and no filling goes on past the time
+        limit: on a 32-layer Llama PyTorch's partitions took 3-8 s each, and the 11 of them,
+        filled, 110 s on a 10 s limit."""
         started = time.perf_counter()
+        deadline = None if self.deterministic else started + time_limit
         graph = self._ordered(step)
         found_before = [] if book is None else [_found_before(plan, budget_bytes) for plan in known(book)]
         with ThreadPoolExecutor(max_workers=1) as pool:
             # PyTorch's partitioner and the pricing of plans run in Python while CP-SAT searches
             # in C++ without the GIL; the pool runs its tasks in turn, the rivals first
-            competing = pool.submit(self._rivals, step, graph, rivals) if self.solver == "auto" else None
+            competing = (pool.submit(self._rivals, step, graph, rival, budget_bytes, deadline)
+                         if self.solver == "auto" else None)
             filling = None if competing is None else pool.submit(
-                lambda: self._fitting(step, competing.result() + found_before, budget_bytes))
+                lambda: self._fitting(step, found_before, budget_bytes, deadline))
             solved = self._solved(step, graph, budget_bytes, started, time_limit)
-            fitting = self._fitting(step, [solved], budget_bytes) + ([] if filling is None else filling.result())
-        others = ([] if competing is None else competing.result()) + found_before
+            fitting = self._fitting(step, [solved], budget_bytes, deadline)
+            if competing is not None:
+                fitting += competing.result()[1] + filling.result()
+        others = ([] if competing is None else competing.result()[0]) + found_before
         if fitting:
             best = min(fitting, key=lambda c: c.predicted_overhead)
         else:
@@ -200,15 +208,35 @@ class Partitioner(CustomPartitionerFn):
             remember(book, best)
         return best
 
-    def _fitting(self, step: JointStep, plans: list[Plan | None], budget_bytes: int) -> list[Plan]:
+    def _fitting(self, step: JointStep, plans: list[Plan | None], budget_bytes: int, deadline: float | None
+                 ) -> list[Plan]:
         """The plans that fit the budget, with solver "auto" each filled up to it (`_filled`)."""
         fit = [c for c in plans if c is not None and c.predicted_peak_bytes <= budget_bytes]
-        return [self._filled(step, c, budget_bytes) for c in fit] if self.solver == "auto" else fit
+        return [self._filled(step, c, budget_bytes, deadline) for c in fit] if self.solver == "auto" else fit
 
-    def _rivals(self, step: JointStep, graph: Graph, rivals: Rivals) -> list[Plan]:
-        """PyTorch's own partitions of the graph (`rivals`), each priced as compiled."""
-        return [self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
-                for fraction, kept in rivals(graph).items()]
+    def _rivals(self, step: JointStep, graph: Graph, rival: Rival, budget_bytes: int, deadline: float | None
+                ) -> tuple[list[Plan], list[Plan]]:
+        """PyTorch's own partitions of the graph (`rival`), at the fractions nearest the
+        budget's share of the unplanned peak first, none begun past `deadline`, each priced
+        as compiled (a keep set found at several fractions once), and those that fit
+        filled up to the budget as they come (`_fitting`)."""
+        share = budget_bytes / simulate(graph, keep_all(graph)).peak_bytes
+        priced: list[tuple[float, Plan]] = []
+        fitting: list[Plan] = []
+        seen: set[bytes] = set()
+        for fraction in sorted(FRACTIONS, key=lambda f: (abs(f - share), -f)):
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            kept = rival(graph, fraction)
+            if kept is None:
+                break
+            if kept.tobytes() in seen:
+                continue
+            seen.add(kept.tobytes())
+            plan = self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
+            priced.append((fraction, plan))
+            fitting += self._fitting(step, [plan], budget_bytes, deadline)
+        return [plan for _, plan in sorted(priced, key=lambda item: -item[0])], fitting
 
     def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float, time_limit: float
                 ) -> Plan | None:
@@ -216,14 +244,14 @@ class Partitioner(CustomPartitionerFn):
         again with the budget reduced by the excess while time is left (each solve runs
         up to `plan_step`'s few seconds past its time limit, so retries once the time was
         out added those seconds each: 11.5 s on a 2 s limit). None when no solve fits."""
-        target = budget_bytes
+        target, once = budget_bytes, self._fixed(step, graph)
         for attempt in range(ATTEMPTS):
             if attempt and not self.deterministic and time.perf_counter() - started >= time_limit:
                 return None
             try:
                 found = plan_step(graph, target, solver=self.solver, time_limit=time_limit,
                                   workers=self.workers, seed=self.seed, deterministic=self.deterministic,
-                                  started=started, share=self.share)
+                                  started=started, share=self.share, once=once)
             except InfeasibleBudget:
                 return None
             compiled = self._as_compiled(step, found)
@@ -232,16 +260,17 @@ class Partitioner(CustomPartitionerFn):
             target -= compiled.predicted_peak_bytes - budget_bytes
         return None
 
-    def _filled(self, step: JointStep, plan: Plan, budget_bytes: int) -> Plan:
+    def _filled(self, step: JointStep, plan: Plan, budget_bytes: int, deadline: float | None) -> Plan:
         """`plan` with the forward tensors it recomputes that cost the most per byte kept for
-        the backward instead, as many as still fit (a binary search over that order), when
-        that is cheaper: a partition chosen for another budget leaves room unused."""
+        the backward instead, as many as still fit (a binary search over that order, cut
+        short at `deadline`), when that is cheaper: a partition chosen for another budget
+        leaves room unused."""
         graph, schedule = plan.graph, plan.schedule
         recomputed = np.unique(schedule.node[schedule.stage != schedule.node])
         order = recomputed[np.argsort(-graph.cost[recomputed] / np.maximum(graph.size[recomputed], 1), kind="stable")]
         base = kept_for_backward(graph, schedule)
         best, lo, hi = plan, 1, len(order)
-        while lo <= hi:
+        while lo <= hi and (deadline is None or time.perf_counter() < deadline):
             mid = (lo + hi) // 2
             kept = base.copy()
             kept[order[:mid]] = True
@@ -269,9 +298,7 @@ class Partitioner(CustomPartitionerFn):
         computation kept instead), reruns nothing reads dropped, computations shared where
         the graphs can, priced (with `inline`, as Inductor runs it: `inductor.priced`)."""
         planned = found.graph
-        fixed = dict(zip(step.graph.names, step.fixed.tolist()))
-        schedule = without_unread(planned, without_recomputing(planned, found.schedule,
-                                                               np.array([fixed[n] for n in planned.names])))
+        schedule = without_unread(planned, without_recomputing(planned, found.schedule, self._fixed(step, planned)))
         if self.inline:
             result = priced(step, planned, schedule)
         else:
@@ -282,6 +309,12 @@ class Partitioner(CustomPartitionerFn):
                        solver_overhead=result.overhead, lower_bound=None, shared=tuple(sorted(result.shared.items())),
                        loss="priced by loss_fn on the outputs that take a gradient" if self.loss_fn else
                        "not given: priced as a cross-entropy over the last dimension of the largest output")
+
+    @staticmethod
+    def _fixed(step: JointStep, graph: Graph) -> np.ndarray:
+        """`step.fixed` over the nodes of `graph`, the step's Graph in another order."""
+        fixed = dict(zip(step.graph.names, step.fixed.tolist()))
+        return np.array([fixed[n] for n in graph.names])
 
     def _shares(self, step: JointStep, graph: Graph, schedule: Schedule) -> frozenset[int]:
         """The computations of `schedule` that write over an input they are the last to

@@ -29,36 +29,31 @@ FRACTIONS = tuple(round(0.1 * k, 1) for k in range(11))
 """The `activation_memory_budget` fractions whose partitions compete (0 to 1 by 0.1)."""
 
 
-Rivals = Callable[[Graph], dict[float, np.ndarray]]
-"""The keep sets of rival partitions, by their fraction, over a Graph's nodes by name."""
+Rival = Callable[[Graph, float], "np.ndarray | None"]
+"""The keep set of PyTorch's partition at a fraction, over a Graph's nodes by name (None
+where PyTorch's partitioner fails)."""
 
 
-def torch_keep_sets(joint: fx.GraphModule, joint_inputs: Sequence[object], kwargs: dict[str, Any], graph: Graph,
-                    fractions: Sequence[float] = FRACTIONS) -> dict[float, np.ndarray]:
-    """For each fraction, the nodes of `graph` (named as in `joint`) that PyTorch's min-cut
-    partition at that `activation_memory_budget` does not recompute in its backward graph
-    (a view of a recomputed tensor is recomputed with it, whatever name the backward
-    graph gives it); fractions whose keep set repeats a larger fraction's are left out.
-    `joint` is not modified. Should PyTorch's partitioner fail, a warning says so and the
-    fractions it did partition are returned."""
-    found: dict[float, np.ndarray] = {}
-    seen: set[bytes] = set()
-    for fraction in sorted(fractions, reverse=True):
-        copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
-        try:
-            with functorch_config.patch(activation_memory_budget=fraction), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _, backward = min_cut_rematerialization_partition(copied, joint_inputs, **kwargs)
-        except Exception as error:  # noqa: BLE001 - PyTorch's partitioner is a rival, never a requirement
-            warnings.warn(f"optremat: PyTorch's min-cut partitioner failed on this graph at "
-                          f"activation_memory_budget {fraction:g} ({type(error).__name__}: {error}); "
-                          "its partitions at that budget and below do not compete", stacklevel=2)
-            return found
-        rerun = {node.name for node in backward.graph.nodes if node.op == "call_function"}
-        kept = np.array([graph.backward[i] or name not in rerun for i, name in enumerate(graph.names)])
-        for i in np.nonzero((graph.alias_of >= 0) & (graph.size == 0))[0].tolist():
-            kept[i] &= kept[graph.alias_of[i]]
-        if kept.tobytes() not in seen:
-            seen.add(kept.tobytes())
-            found[fraction] = kept
-    return found
+def torch_keep_set(joint: fx.GraphModule, joint_inputs: Sequence[object], kwargs: dict[str, Any], graph: Graph,
+                   fraction: float) -> np.ndarray | None:
+    """The nodes of `graph` (named as in `joint`) that PyTorch's min-cut partition at
+    `activation_memory_budget=fraction` does not recompute in its backward graph (a view
+    of a recomputed tensor is recomputed with it, whatever name the backward graph gives
+    it). On a graph of thousands of nodes it takes seconds (a 32-layer Llama's: 3 to 8).
+    `joint` is not modified. Should PyTorch's partitioner fail, a warning says so and
+    None is returned."""
+    copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    try:
+        with functorch_config.patch(activation_memory_budget=fraction), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, backward = min_cut_rematerialization_partition(copied, joint_inputs, **kwargs)
+    except Exception as error:  # noqa: BLE001 - PyTorch's partitioner is a rival, never a requirement
+        warnings.warn(f"optremat: PyTorch's min-cut partitioner failed on this graph at "
+                      f"activation_memory_budget {fraction:g} ({type(error).__name__}: {error}); "
+                      "its partitions at the fractions not yet tried do not compete", stacklevel=2)
+        return None
+    rerun = {node.name for node in backward.graph.nodes if node.op == "call_function"}
+    kept = np.array([graph.backward[i] or name not in rerun for i, name in enumerate(graph.names)])
+    for i in np.nonzero((graph.alias_of >= 0) & (graph.size == 0))[0].tolist():
+        kept[i] &= kept[graph.alias_of[i]]
+    return kept

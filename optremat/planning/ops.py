@@ -15,7 +15,8 @@ import numpy as np
 from optremat.core.budget import InfeasibleBudget
 from optremat.core.coarsen import Coarsened, coarsen
 from optremat.core.graph import Graph
-from optremat.core.schedule import Schedule, SimResult, from_computations, from_kept, keep_all, simulate
+from optremat.core.schedule import (Schedule, SimResult, from_computations, from_kept, keep_all, simulate,
+                                    without_recomputing)
 from optremat.core.solution import HEURISTIC, Progress, Solution
 from optremat.planners.solve import best_heuristic, solve
 from optremat.planning.result import Plan
@@ -28,7 +29,7 @@ SLACK = 0.005
 
 def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_limit: float = 30.0, workers: int = 0,
               seed: int = 0, deterministic: bool = False, progress: Progress | None = None,
-              started: float | None = None, share: bool = True) -> Plan:
+              started: float | None = None, share: bool = True, once: np.ndarray | None = None) -> Plan:
     """A plan that runs on every op of `graph` as scheduled (each op computed where the
     schedule puts it, any number of times), solved on the coarsened graph and expanded
     to every op, each tensor kept only until the last read it serves.
@@ -41,12 +42,19 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
     solver finds no plan (or none in time), the best heuristic plan within the budget,
     or else at the smallest budget the solver names (or the heuristics reach), is the
     last try. `share` prices ops writing over inputs they are the last to read, as
-    compiled graphs run them."""
+    compiled graphs run them. `once` marks nodes of `graph` that run exactly once (random
+    ops, writes in place, the gradients handed to the backward): a plan's reruns of them
+    are dropped and their one result kept instead, as the compiled graphs run them, before
+    the plan is priced, so the budget the solver is given moves by what that costs too.
+    Past the time limit a plan that fits is not solved again."""
     started = time.perf_counter() if started is None else started
     coarse = coarsen(graph)
+    once_fine = None if once is None else once[coarse.original]
     target, deadline, smallest, best = budget_bytes, started + time_limit, None, None
     fits_at, fails_at = None, None
     for _ in range(ATTEMPTS):
+        if best is not None and not deterministic and time.perf_counter() >= deadline:
+            break
         remaining = time_limit if deterministic else max(deadline - time.perf_counter(), 1.0)
         exhausted = False
         try:
@@ -64,6 +72,8 @@ def plan_step(graph: Graph, budget_bytes: int, *, solver: str = "auto", time_lim
                 raise InfeasibleBudget(budget_bytes, least, f"{solver} (on the coarsened graph)") from None
             exhausted = True
         fine = _expanded(coarse, solution)
+        if once_fine is not None:
+            fine = without_recomputing(coarse.fine, fine, once_fine)
         result = simulate(coarse.fine, fine, share=share)
         smallest = result.peak_bytes if smallest is None else min(smallest, result.peak_bytes)
         if result.peak_bytes <= budget_bytes and (best is None or result.cost < best[2].cost):
