@@ -216,17 +216,20 @@ class Partitioner(CustomPartitionerFn):
 
     def _rivals(self, step: JointStep, graph: Graph, rival: Rival, budget_bytes: int, deadline: float | None
                 ) -> tuple[list[Plan], list[Plan]]:
-        """PyTorch's own partitions of the graph (`rival`), at the fractions nearest the
-        budget's share of the unplanned peak first, none begun past `deadline`, each priced
-        as compiled (a keep set found at several fractions once), and those that fit
-        filled up to the budget as they come (`_fitting`)."""
-        share = budget_bytes / simulate(graph, keep_all(graph)).peak_bytes
+        """PyTorch's own partitions of the graph (`rival`), none begun past `deadline`,
+        each priced as compiled (a keep set found at several fractions once), and those
+        that fit filled up to the budget as they come (`_fitting`). The first is at the
+        fraction nearest the budget's share of the unplanned peak; then, nearest first,
+        larger fractions after one that fits and smaller after one that does not, so that
+        the largest that fits, which filling usually makes the cheapest, comes early."""
+        pending = list(FRACTIONS)
+        at, larger = budget_bytes / simulate(graph, keep_all(graph)).peak_bytes, None
         priced: list[tuple[float, Plan]] = []
         fitting: list[Plan] = []
         seen: set[bytes] = set()
-        for fraction in sorted(FRACTIONS, key=lambda f: (abs(f - share), -f)):
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
+        while pending and (deadline is None or time.perf_counter() < deadline):
+            fraction = _next_fraction(pending, at, larger)
+            pending.remove(fraction)
             kept = rival(graph, fraction)
             if kept is None:
                 break
@@ -236,6 +239,7 @@ class Partitioner(CustomPartitionerFn):
             plan = self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
             priced.append((fraction, plan))
             fitting += self._fitting(step, [plan], budget_bytes, deadline)
+            at, larger = fraction, plan.predicted_peak_bytes <= budget_bytes
         return [plan for _, plan in sorted(priced, key=lambda item: -item[0])], fitting
 
     def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float, time_limit: float
@@ -324,6 +328,12 @@ class Partitioner(CustomPartitionerFn):
         can = writable(step, graph)
         return frozenset(e for e, _ in simulate(graph, schedule, share=True).shared.items()
                          if can[schedule.node[e]])
+
+
+def _next_fraction(pending: list[float], at: float, larger: bool | None) -> float:
+    """The fraction of `pending` to partition next: the nearest `at`, among those larger
+    than it first when `larger`, smaller when False, either when None (ties to larger)."""
+    return min(pending, key=lambda f: (larger is not None and (f < at if larger else f > at), abs(f - at), -f))
 
 
 def _found_before(plan: Plan, budget_bytes: int) -> Plan:
