@@ -454,6 +454,19 @@ class CenterInPlace(nn.Module):
         return x.sub_(x.mean(1, keepdim=True))
 
 
+class AddsInPlace(nn.Module):
+    """A residual block adding its branch to its input in place (`x += f(x)`): its relu
+    saves its own output, so the step never reads `x` again, but a rerun would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += self.mlp(torch.relu(x))
+        return x
+
+
 class Biased(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -479,14 +492,17 @@ class SharedBias(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("build", ["input written in place", "argument written after"])
+@pytest.mark.parametrize("build", ["input written in place", "input added to at the end", "argument written after"])
 def test_a_call_whose_inputs_are_written_in_place_is_never_checkpointed(build: str) -> None:
     """Checkpoint keeps a call's inputs for its rerun: one the call writes (the model's
-    own input) or that is written after it reruns on other values, which the backward
-    refuses. Such calls run unplanned; the others still may be checkpointed."""
+    own input, or a residual's input added to as its last op) or that is written after
+    it reruns on other values, which the backward refuses. Such calls run unplanned; the
+    others still may be checkpointed."""
     torch.manual_seed(0)
     if build == "input written in place":
         model, written = nn.Sequential(nn.Sequential(CenterInPlace(), *mlp()), mlp(), mlp()).double(), "0"
+    elif build == "input added to at the end":
+        model, written = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), AddsInPlace())]).double(), "3"
     else:
         model, written = SharedBias().double(), "blocks.1"
     x = torch.randn(256, 64, dtype=torch.float64)

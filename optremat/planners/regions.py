@@ -385,8 +385,9 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
     """How `call` reruns under checkpoint, None when it cannot be checkpointed: its
     autograd nodes save nothing, its rerun would write over a tensor from outside it
     (but the buffers its modules write, which the runtime gives reruns copies of,
-    `RegionMap.copied`: an input of the model, a tensor attribute), or a tensor it reads
-    from outside is written in place after it (the rerun would read the new values;
+    `RegionMap.copied`: an input of the model, a tensor attribute), or a tensor from
+    outside that its rerun reads is written in place after that, by the call itself (a
+    residual `x += f(x)` at its end) or after it (the rerun would read the new values;
     checkpoint refuses them)."""
     graph, facts, keys = rmap.graph, rmap.facts, rmap.keys(call)
     nodes = rmap.members[call].tolist()
@@ -396,8 +397,9 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
         return None
     last, end = max(packers), nodes[-1]
     copied = set(rmap.copied(call))
+    rerun_reads = {int(facts.owner[p]) for v in nodes if v <= last for p in graph.preds[v].tolist() if p not in inside}
     if any(facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside | copied
-           for v in nodes if v <= last):
+           and (v <= last or int(facts.owner[graph.alias_of[v]]) in rerun_reads) for v in nodes):
         return None
     read = {int(facts.owner[p]) for v in nodes for p in graph.preds[v].tolist() if p not in inside} - copied
     if any(rmap.last_write.get(owner, -1) > end for owner in read):
