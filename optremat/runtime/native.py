@@ -143,6 +143,11 @@ class _RegionState:
         """The module's forward as it was before the plan."""
         return self.forward if self.owned else types.MethodType(self.forward, module)
 
+    def calling(self, module: nn.Module) -> Callable:
+        """`original`, as a partial where it is the class's: dynamo traces a partial, not
+        a method made as the step runs (`torch.compile(..., fullgraph=True)`)."""
+        return self.forward if self.owned else functools.partial(self.forward, module)
+
 
 class _PlannedForward:
     """A taken-over module's `forward`: its calls go through the plan. An object rather
@@ -261,7 +266,7 @@ def remove(model: nn.Module) -> nn.Module:
 
 def _region_forward(module: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     state: _RegionState = getattr(module, _REGION)
-    original = state.original(module)
+    original = state.calling(module)
     runtime = state.runtime
     if runtime is None:
         return original(*args, **kwargs)
@@ -309,16 +314,20 @@ def _left_out(runtime: _Runtime, path: str, args: tuple, kwargs: dict[str, Any])
     `vmap`: they take no saved-tensor hooks, so no checkpoint), or handed a key/value
     cache, which its rerun would write again (`tracing.kv_cache`; plans made with the
     cache on leave such calls out, so this is a plan made with it off)."""
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if receives_cache(args, kwargs):
+        reason = ("is handed a key/value cache, which a rerun would write again, so the plan's checkpointing there "
+                  "is left out (the step's memory is not the plan's); set use_cache=False for training, or plan "
+                  "with the cache on")
+    elif torch.compiler.is_compiling():
+        # dynamo traces the checkpoint into the graph, whose partitioner recomputes what the
+        # policy marks; the transforms it runs under while tracing are its own, not the user's
+        return False
+    elif torch._C._functorch.peek_interpreter_stack() is not None:
         reason = ("runs under a torch.func transform, which takes no checkpoint, so the plan's checkpointing there "
                   "is left out (the step's memory is not the plan's)")
     elif _under_checkpoint():
         reason = ("runs inside torch.utils.checkpoint, so the plan's checkpointing there is left out (the step's "
                   "memory is not the plan's); remove that checkpoint to run the plan")
-    elif receives_cache(args, kwargs):
-        reason = ("is handed a key/value cache, which a rerun would write again, so the plan's checkpointing there "
-                  "is left out (the step's memory is not the plan's); set use_cache=False for training, or plan "
-                  "with the cache on")
     else:
         return False
     if reason not in runtime.left_out:
@@ -354,19 +363,24 @@ def _run_children(children: list[nn.Module], value: Any) -> Any:
 
 def _context_fn(module: nn.Module, running: list[nn.Module], mutated: tuple[str, ...], region: Region) -> Any:
     """The context function of a region of `module` (its `mutated` buffers named from it),
-    run by the modules `running` (the module, or the children of its span)."""
+    run by the modules `running` (the module, or the children of its span). Under
+    torch.compile the policy marks the traced ops and the partitioner recomputes them (no
+    Python rerun, so no scratch buffers); dynamo takes only selective policies' contexts,
+    made from constants."""
+    if torch.compiler.is_compiling():
+        return functools.partial(_selective, region.saved)
     buffers = [(module.get_submodule(owner), name) for owner, _, name in (m.rpartition(".") for m in mutated)]
     return functools.partial(_contexts, running, region, buffers)
+
+
+def _selective(saved: frozenset[tuple[str, int]]) -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_policy(saved))
 
 
 def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
     """The forward's and the recomputation's contexts for one call of a region run by the
     modules `running`, made as the call starts (so the tensors it reads and the buffers it
-    writes are taken as they are then). Under torch.compile the policy marks the traced ops
-    and the partitioner recomputes them (no Python rerun, so no scratch buffers), and
-    dynamo takes only selective policies' contexts."""
-    if torch.compiler.is_compiling():
-        return create_selective_checkpoint_contexts(_policy(region.saved))
+    writes are taken as they are then)."""
     held = [(owner, name, owner._buffers[name].detach().clone()) for owner, name in buffers
             if owner._buffers.get(name) is not None]
     owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
