@@ -388,6 +388,20 @@ def test_auto_plan_is_no_dearer_than_pytorch_partitions_at_their_peak(cost_model
     assert optremat.Plan.from_json(plan.to_json()).compared == plan.compared
 
 
+def test_a_time_limit_spent_before_the_rivals_start_still_lets_pytorchs_nearest_partition_compete() -> None:
+    """PyTorch's partitions are begun only within the time limit, but the first always
+    is: with the limit out before any starts, the one nearest the budget still competes,
+    so a graph whose own search finds nothing in time still gets PyTorch's plan."""
+    example = gpt()
+    backend = optremat.compile_backend(0.8, inner="aot_eager", time_limit=1e-3, loss_fn=example.loss_fn)
+    expected = step(example.model, example.inputs, example.loss_fn)
+    assert_same_step(expected, step(torch.compile(example.model, backend=backend, dynamic=False), example.inputs,
+                                    example.loss_fn))
+    plan = backend.plans[0]
+    rivals = [name for name, _, _ in plan.compared if name.startswith("PyTorch")] + [plan.solver]
+    assert any(name.startswith("PyTorch min-cut at 0.8") for name in rivals)
+
+
 def test_inductor_plans_leave_a_resnets_float64_gradients_as_eager() -> None:
     """In float32 Inductor's fused batch norm and channels-last convolutions round
     differently from eager's, with or without a plan (on resnet-mini by more than 1e-5); in

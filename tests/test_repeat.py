@@ -294,3 +294,16 @@ def test_a_model_with_some_blocks_checkpointed_is_still_traced_through_four() ->
     optremat.apply(model, plan)
     assert any("forward" in block.__dict__ for block in model.model.layers)
     assert repeat.repeated_blocks(model) == ("model.layers", LAYERS["num_hidden_layers"])
+
+
+def test_gemma_and_lora_on_every_layer_are_alike() -> None:
+    """transformers' GELU holds a partial of its own in every layer, and peft's LoRA
+    layers hold their module path among their keywords: neither changes what a layer
+    computes."""
+    torch.manual_seed(0)
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(**LAYERS, head_dim=8))
+    assert repeat.repeated_blocks(gemma) == ("model.layers", LAYERS["num_hidden_layers"])
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LAYERS)),
+                               peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert repeat.repeated_blocks(lora) == ("base_model.model.model.layers", LAYERS["num_hidden_layers"])

@@ -415,6 +415,33 @@ def test_a_compiled_planned_model_runs_the_plan(fullgraph: bool) -> None:
     torch._dynamo.reset()
 
 
+def test_a_compiled_torch_func_transform_over_a_planned_model_gives_eager_gradients() -> None:
+    """Per-sample gradients (`vmap(grad(...))` through `functional_call`) compiled over a
+    planned model: the transform's own checks see the user's transform, not dynamo's
+    interpreters, so the compile neither fails on saved-tensor hooks nor differs."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[PreNormBlock() for _ in range(6)], nn.Linear(32, 32)), torch.randn(64, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    plan = optremat.plan(model, x, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions
+    optremat.apply(model, plan)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def per_sample(p: dict, x: torch.Tensor) -> dict:
+        one = lambda p, xi: loss_fn(torch.func.functional_call(model, p, (xi[None],)))  # noqa: E731
+        return torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(p, x)
+
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        want = per_sample(params, x)
+    got = torch.compile(per_sample, backend="aot_eager")(params, x)
+    torch._dynamo.reset()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
 def test_saved_tensors_on_cpu_and_a_deep_copy_run_the_plan() -> None:
     model, inputs, loss_fn = convnet()
     state = copy.deepcopy(model.state_dict())
@@ -592,8 +619,6 @@ def test_a_planned_call_inside_the_users_own_checkpoint_runs_as_that_checkpoint_
     """Blocks the user wraps in torch's checkpoint around a planned model: the plan's
     regions inside them are left out (their rerun in the backward must save what their
     forward saved), with a warning, and the gradients are the unplanned model's."""
-    from optremat.bench import checkpointed_blocks
-
     torch.manual_seed(0)
     model = GPT(256, 32, 32, 4, 4)
     ids = torch.randint(0, 256, (2, 32))

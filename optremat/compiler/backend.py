@@ -11,6 +11,7 @@ passes run first and its code generation after; under aot_eager the graphs run a
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,8 @@ from optremat.tracing.fingerprint import package_version
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss, install
 
 INNER = ("inductor", "aot_eager")
+GRACE = 1.0
+"""Seconds the solver's own plan may be filled for when its search used up the time limit."""
 ORDERS = ("traced", "best")
 
 
@@ -189,7 +192,9 @@ class Partitioner(CustomPartitionerFn):
             filling = None if competing is None else pool.submit(
                 lambda: self._fitting(step, found_before, budget_bytes, deadline))
             solved = self._solved(step, graph, budget_bytes, started, time_limit)
-            fitting = self._fitting(step, [solved], budget_bytes, deadline)
+            # the solver's plan is filled for at least GRACE seconds, as plan_step retries for 1 s
+            fitting = self._fitting(step, [solved], budget_bytes,
+                                    None if deadline is None else max(deadline, time.perf_counter() + GRACE))
             if competing is not None:
                 fitting += competing.result()[1] + filling.result()
         others = ([] if competing is None else competing.result()[0]) + found_before
@@ -216,19 +221,20 @@ class Partitioner(CustomPartitionerFn):
 
     def _rivals(self, step: JointStep, graph: Graph, rival: Rival, budget_bytes: int, deadline: float | None
                 ) -> tuple[list[Plan], list[Plan]]:
-        """PyTorch's own partitions of the graph (`rival`), none begun past `deadline`,
-        each priced as compiled (a keep set found at several fractions once), and those
-        that fit filled up to the budget as they come (`_fitting`). The first is at the
-        fraction nearest the budget's share of the unplanned peak; then, nearest first,
-        larger fractions after one that fits and smaller after one that does not, so that
-        the largest that fits, which filling usually makes the cheapest, comes early."""
+        """PyTorch's own partitions of the graph (`rival`), none but the first begun past
+        `deadline`, each priced as compiled (a keep set found at several fractions once),
+        and those that fit filled up to the budget as they come (`_fitting`), in the order
+        `_next_fraction` gives: toward the largest fraction that fits, which filling
+        usually makes the cheapest."""
         pending = list(FRACTIONS)
-        at, larger = budget_bytes / simulate(graph, keep_all(graph)).peak_bytes, None
+        share = budget_bytes / simulate(graph, keep_all(graph)).peak_bytes
+        fits: list[float] = []
+        fails: list[float] = []
         priced: list[tuple[float, Plan]] = []
         fitting: list[Plan] = []
         seen: set[bytes] = set()
-        while pending and (deadline is None or time.perf_counter() < deadline):
-            fraction = _next_fraction(pending, at, larger)
+        while pending and (not priced or deadline is None or time.perf_counter() < deadline):
+            fraction = _next_fraction(pending, share, fits, fails)
             pending.remove(fraction)
             kept = rival(graph, fraction)
             if kept is None:
@@ -239,7 +245,7 @@ class Partitioner(CustomPartitionerFn):
             plan = self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
             priced.append((fraction, plan))
             fitting += self._fitting(step, [plan], budget_bytes, deadline)
-            at, larger = fraction, plan.predicted_peak_bytes <= budget_bytes
+            (fits if plan.predicted_peak_bytes <= budget_bytes else fails).append(fraction)
         return [plan for _, plan in sorted(priced, key=lambda item: -item[0])], fitting
 
     def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float, time_limit: float
@@ -330,10 +336,14 @@ class Partitioner(CustomPartitionerFn):
                          if can[schedule.node[e]])
 
 
-def _next_fraction(pending: list[float], at: float, larger: bool | None) -> float:
-    """The fraction of `pending` to partition next: the nearest `at`, among those larger
-    than it first when `larger`, smaller when False, either when None (ties to larger)."""
-    return min(pending, key=lambda f: (larger is not None and (f < at if larger else f > at), abs(f - at), -f))
+def _next_fraction(pending: list[float], share: float, fits: list[float], fails: list[float]) -> float:
+    """The fraction of `pending` to partition next: the nearest `share` (the budget's
+    share of the unplanned peak) at first; then those between the largest fraction whose
+    partition fits and the smallest whose partition does not, nearest the one that fits
+    (or, before any fits, the one that does not); then the rest, nearest the same one."""
+    low, high = max(fits, default=-math.inf), min(fails, default=math.inf)
+    at = low if fits else high if fails else share
+    return min(pending, key=lambda f: (not low < f < high, abs(f - at), -f))
 
 
 def _found_before(plan: Plan, budget_bytes: int) -> Plan:

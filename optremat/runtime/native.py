@@ -318,14 +318,11 @@ def _left_out(runtime: _Runtime, path: str, args: tuple, kwargs: dict[str, Any])
         reason = ("is handed a key/value cache, which a rerun would write again, so the plan's checkpointing there "
                   "is left out (the step's memory is not the plan's); set use_cache=False for training, or plan "
                   "with the cache on")
-    elif torch.compiler.is_compiling():
-        # dynamo traces the checkpoint into the graph, whose partitioner recomputes what the
-        # policy marks; the transforms it runs under while tracing are its own, not the user's
-        return False
-    elif torch._C._functorch.peek_interpreter_stack() is not None:
+    elif torch._C._functorch.maybe_current_level() is not None:
+        # the user's transform: the interpreter stack also holds dynamo's own while it traces
         reason = ("runs under a torch.func transform, which takes no checkpoint, so the plan's checkpointing there "
                   "is left out (the step's memory is not the plan's)")
-    elif _under_checkpoint():
+    elif not torch.compiler.is_compiling() and _under_checkpoint():
         reason = ("runs inside torch.utils.checkpoint, so the plan's checkpointing there is left out (the step's "
                   "memory is not the plan's); remove that checkpoint to run the plan")
     else:

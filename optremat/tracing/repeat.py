@@ -186,15 +186,27 @@ def _attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
             if key == "forward" and isinstance(value, types.MethodType) and value.__self__ is module \
                     and value.__func__ is type(module).forward:
                 continue
+        if key == "kwargs" and isinstance(value, dict) and type(module).__module__.startswith("peft.tuners."):
+            value = {k: v for k, v in value.items() if k != "target_name"}  # peft's layers keep their path there
         yield key, value
 
 
 def _value(value: Any, module: nn.Module) -> Any:
     """An attribute of `module` as blocks must share it: a plain value (numbers, strings,
-    dtypes, None, tuples and lists of them) itself, a method of the module its function,
-    an enum member or a tensor's shape, dtype and device, any other object its identity."""
+    dtypes, devices, None) itself, tuples, lists, sets and dicts by their items, a
+    partial by its function and arguments (transformers' GELU holds one per module), a
+    method of the module its function, an enum member itself, a tensor its shape, dtype
+    and device, any other object its identity."""
     if isinstance(value, (tuple, list)):
         return tuple(_value(v, module) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_value(v, module)) for v in value)))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), _value(v, module)) for k, v in value.items())))
+    if isinstance(value, functools.partial):
+        return ("partial", _value(value.func, module), _value(value.args, module), _value(value.keywords, module))
+    if isinstance(value, torch.device):
+        return str(value)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
         return value
     if isinstance(value, types.MethodType) and value.__self__ is module:
