@@ -33,8 +33,7 @@ from optremat.compiler.torch_partitions import FRACTIONS, RIVALS, Rival, torch_k
 from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.core.graph import Graph, format_bytes
 from optremat.core.order import best_order, sunk_views
-from optremat.core.schedule import (Schedule, keep_all, kept_for_backward, simulate, without_recomputing,
-                                    without_unread)
+from optremat.core.schedule import Schedule, keep_all, kept_for_backward, simulate, without_recomputing, without_unread
 from optremat.core.solution import FEASIBLE, OPTIMAL
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
