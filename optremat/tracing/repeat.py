@@ -5,11 +5,11 @@ takes 20 s to trace, while its decoder layers are one computation 80 times. Wher
 plain `nn.Sequential`, or a `nn.ModuleList` run by a loop read to run each block once
 alike (`LOOPS`), holds at least `MIN_BLOCKS` blocks alike (`alike`: one class, the same
 parameters and buffers by name, shape and dtype, the same attributes but for the layer
-index transformers' modules hold, no hooks of the user's), the step is traced on a copy of the model that keeps the first three blocks
-and the last (`shortened`), and the third block's forward and backward ops, with its
-parameters, are copied for each block left out (`expanded`): a copy reads the copy
-before it (and its gradient the copy after it) as the third block read the second (and
-the last block's gradient).
+index transformers' modules hold, no hooks of the user's), the step is traced on a copy
+of the model that keeps the first three blocks and the last (`shortened`), and the third
+block's forward and backward ops, with its parameters, are copied for each block left
+out (`expanded`): a copy reads the copy before it (and its gradient the copy after it)
+as the third block read the second (and the last block's gradient).
 
 The copies are made only where the trace shows the second and third blocks alike: the
 same ops on the same shapes and costs, reading their neighbours at the same offsets,
