@@ -35,12 +35,12 @@ NOTES = [
     "handed to the backward, which the compiled graphs cannot: priced as they run, that plan went over the "
     "budget and was dropped. Now the search prices those as held (`plan_step(once=...)`).",
     "",
-    "Planning still runs past the limit as the graph grows: 1.4x at 32 layers and 3x at 64 (14,411 nodes), "
-    "where optremat's first solve alone takes 28 s (profiled: the covering program whose bound the op-level "
-    "CP-SAT search starts from, 18 s of it, 14 s building and solving the program; the heuristics 6.5 s), and "
-    "only the one PyTorch partition nearest the budget competes. The blocks are not composed here as "
-    "`optremat.plan` composes a transformer's layers (`optremat.ilp.composed`): the compiled graphs are "
-    "planned op by op.",
+    "Planning still runs past the limit as the graph grows: 1.5x at 32 layers and 2.4x at 64 (14,411 nodes). "
+    "There the one PyTorch partition that always competes takes 10.6 s of Python, beside optremat's search "
+    "for the GIL (21 s in the backend, 10.4 s alone). The covering program whose bound the op-level CP-SAT "
+    "search starts from now keeps to its share of the limit, reading and building included (it had taken 18 s "
+    "at 64 layers: 30 s of planning). The blocks are not composed here as `optremat.plan` composes a "
+    "transformer's layers (`optremat.ilp.composed`): the compiled graphs are planned op by op.",
 ]
 
 
