@@ -29,7 +29,7 @@ FRACTIONS = tuple(round(0.1 * k, 1) for k in range(11))
 """The `activation_memory_budget` fractions whose partitions compete (0 to 1 by 0.1)."""
 
 
-Rival = Callable[[Graph, float], "np.ndarray | None"]
+Rival = Callable[[Graph, float], np.ndarray | None]
 """The keep set of PyTorch's partition at a fraction, over a Graph's nodes by name (None
 where PyTorch's partitioner fails)."""
 
