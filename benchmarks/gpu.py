@@ -1,6 +1,7 @@
 """The GPU benchmark: the LM head chunked by the plan, on CUDA, in bfloat16 and float32.
 
-    python -m benchmarks.gpu [--rounds 9] [--limit 10] [--smoke]
+    python -m benchmarks.gpu [--rounds 9] [--limit 10] [--dtypes bfloat16,float32]
+                             [--cost-model roofline|profile] [--smoke]
 
 gpt-small (GPT-2 small's shape: vocabulary 50257, 1024 tokens, width 768, 12 blocks, 12
 heads, batch 4) returning its final hidden states, its loss `optremat.CausalLMLoss` over
@@ -15,7 +16,9 @@ predicted to fit one, at the least peak found) and at 70% and 50% of the first;
 per-block peak; above each table, the least peak of any region plan with the whole
 head and with the chunks priced. Peaks come from the CUDA allocator, step times from
 interleaved rounds (the median of per-round ratios to the unplanned step), as
-`benchmarks.native` measures them. Writes gpu.md under $OUT when it is set, else here.
+`benchmarks.native` measures them. Writes gpu.md under $OUT when it is set, else here;
+with `--cost-model profile`, every op timed on the GPU instead of priced by the roofline
+(`gpu_profile.md`).
 
 `--smoke` runs the same code on the CPU on a 2-block GPT of width 64, for one round with
 2 s plans at per-block checkpointing's peak only (no least peaks; compiled by aot_eager),
@@ -34,6 +37,7 @@ import torch
 
 from benchmarks.chunked import GPT_SMALL, HEADER, gpt
 from benchmarks.report import write_rows
+from optremat.tracing.costs import COST_MODELS
 
 SMOKE = dict(vocab=1024, seq=64, dim=64, layers=2, heads=2)
 FRACTIONS = (0.7, 0.5)
@@ -44,8 +48,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--limit", type=float, default=10.0)
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
+    parser.add_argument("--cost-model", default="roofline", choices=COST_MODELS,
+                        help="how plans price ops: the roofline model, or each op timed on the GPU (profile)")
     parser.add_argument("--smoke", action="store_true", help="a tiny configuration on the CPU, one round, no page")
     args = parser.parse_args()
+    dtypes = args.dtypes.split(",")
+    if unknown := set(dtypes) - set(DTYPES):
+        parser.error(f"unknown dtypes {', '.join(sorted(unknown))}; choose from {', '.join(DTYPES)}")
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("benchmarks.gpu needs a CUDA device (--smoke runs a tiny configuration on the CPU)")
     device = "cpu" if args.smoke else "cuda"
@@ -55,12 +65,13 @@ def main() -> None:
     command = " ".join(["python -m benchmarks.gpu"] + sys.argv[1:])
     head = ["# LM head chunks on a GPU", "", f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.",
             "", __doc__.split("\n\n", 2)[2].split("\n\n`--smoke`")[0].strip(), ""]
-    out = Path(os.environ.get("OUT", Path(__file__).parent)) / "gpu.md"
+    page = "gpu.md" if args.cost_model == "roofline" else f"gpu_{args.cost_model}.md"
+    out = Path(os.environ.get("OUT", Path(__file__).parent)) / page
     notes: list[str] = []
     rows: list[list[str]] = []
-    for name, dtype in DTYPES.items():
-        floors, table = gpt(shape, batch, rounds, limit, device, dtype, fractions, least_peaks=not args.smoke,
-                            inner="aot_eager" if args.smoke else "inductor")
+    for name in dtypes:
+        floors, table = gpt(shape, batch, rounds, limit, device, DTYPES[name], fractions, least_peaks=not args.smoke,
+                            cost_model=args.cost_model, inner="aot_eager" if args.smoke else "inductor")
         notes += [f"- {name}: {line}" for line in floors]
         rows += [[name, *row] for row in table]
         if args.smoke:
