@@ -6,6 +6,7 @@ import torch.nn as nn
 from optremat import ExtractionError, extract, keep_all, simulate
 from optremat.models import BUILDERS, build
 from optremat.runtime.measure import measure_step
+from optremat.tracing.costs import DEVICES, roofline_cost
 from optremat.tracing.extract import trace
 
 TINY = sorted(name for name in BUILDERS if name.endswith("-tiny"))
@@ -236,6 +237,45 @@ def test_the_cost_profile_follows_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 4090")
     with pytest.warns(UserWarning, match="no cost profile for 'nvidia geforce rtx 4090'"):
         assert profile_for(torch.device("cuda", 0)) == "h100"
+
+
+def _priced(fn, *args, profile: str = "cpu") -> dict[str, float]:
+    """Each op of `fn` on fake copies of `args`, priced by the roofline on `profile`."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(fn, tracing_mode="fake")(*args).graph
+    return {str(n.target): roofline_cost(n, DEVICES[profile]) for n in graph.nodes if n.op == "call_function"}
+
+
+def test_the_cpu_prices_faulting_in_the_pages_of_each_new_output_of_32_mib_or_more():
+    """glibc maps allocations of 32 MiB and more fresh each time: an op writing a new
+    output that large on a CPU costs its pages' first touch; a smaller one, a view, an op
+    writing in place or a GPU's caching allocator costs none."""
+    def step(x):
+        y = x * 2
+        return y, y.view(-1), y.add_(1)
+
+    big, small = _priced(step, torch.empty(8, 2**20)), _priced(step, torch.empty(4, 2**20))  # 32 and 16 MiB
+    launch, pages = DEVICES["cpu"].launch_seconds, 32 * 2**20 / 3.0e9
+    moved = {op: small[op] - launch for op in small}
+    assert big["aten.mul.Tensor"] == pytest.approx(launch + 2 * moved["aten.mul.Tensor"] + pages, rel=1e-6)
+    assert big["aten.add_.Tensor"] == pytest.approx(launch + 2 * moved["aten.add_.Tensor"], rel=1e-6)
+    launch = DEVICES["h100"].launch_seconds
+    on_gpu = [_priced(step, torch.empty(rows, 2**20), profile="h100")["aten.mul.Tensor"] - launch for rows in (8, 4)]
+    assert on_gpu[0] == pytest.approx(2 * on_gpu[1], rel=1e-6)
+
+
+def test_ops_indexing_into_a_tensor_move_only_the_elements_they_select():
+    """Looking up 64 rows of an embedding, gathering the targets' log-probabilities or
+    adding into 64 rows of a table costs the same whatever the table's size."""
+    lookups = {"aten.embedding.default": lambda w, i: torch.nn.functional.embedding(i, w),
+               "aten.index_select.default": lambda w, i: w.index_select(0, i),
+               "aten.nll_loss_forward.default": lambda w, i: torch.nn.functional.nll_loss(w.view(64, -1), i),
+               "aten.scatter_add_.default": lambda w, i: w.scatter_add_(0, i[:, None].expand(64, 64), w[:64]),
+               "aten.index_put_.default": lambda w, i: w.index_put_((i,), w[:64], accumulate=True)}
+    for op, lookup in lookups.items():
+        small, large = (_priced(lookup, torch.zeros(rows, 64), torch.arange(64)) for rows in (128, 2**17))
+        assert large[op] == pytest.approx(small[op], rel=1e-6), op
 
 
 @pytest.mark.parametrize("stride, transposed", [(1, False), (2, False), (2, True)])
