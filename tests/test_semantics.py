@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import pickle
 import random
 import warnings
 
@@ -434,6 +435,94 @@ def test_planning_leaves_the_models_python_state_as_it_found_it() -> None:
     assert [block.calls for block in model[0::2]] == [2, 2, 2]
     with pytest.raises(ValueError, match="Python state"):
         optremat.price_regions(model, inputs, [Region("0", 0)], loss_fn=loss_fn)
+
+
+class Shared:
+    """A helper object the blocks share, as attention stores and step trackers are."""
+
+    def __init__(self) -> None:
+        self.table: torch.Tensor | None = None
+        self.calls = 0
+
+
+_ticks = 0
+
+
+class ReachesState(nn.Module):
+    """A block whose forward changes Python state outside its own attributes, or draws
+    from a generator it holds: a table filled on first use in a helper object or in a
+    dict of dicts, a counter on a helper object, on its class or in its module's globals,
+    numbers drawn from numpy's or Python's generator objects. Each scales its output by
+    what it read, so a rerun that changed the state again would change the gradients."""
+
+    ticks = 0
+
+    def __init__(self, where: str, shared: Shared) -> None:
+        super().__init__()
+        self.where, self.shared, self.lin = where, shared, nn.Linear(64, 64)
+        self.cache: dict[str, dict[int, torch.Tensor]] = {"cpu": {}}
+        self.rng = np.random.default_rng(0) if where == "numpy generator" else random.Random(0)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor | float:
+        global _ticks
+        if self.where == "helper object table":
+            if self.shared.table is None:
+                self.shared.table = torch.cos(torch.arange(64, dtype=x.dtype))
+            return self.shared.table
+        if self.where == "dict of dicts":
+            return self.cache["cpu"].setdefault(x.shape[0], torch.cos(torch.arange(64, dtype=x.dtype)))
+        if self.where == "helper object counter":
+            self.shared.calls += 1
+            return 1 + self.shared.calls % 3
+        if self.where == "class attribute":
+            type(self).ticks += 1
+            return 1 + type(self).ticks % 3
+        if self.where == "global":
+            _ticks += 1
+            return 1 + _ticks % 3
+        if self.where == "numpy generator":
+            return 1 + float(self.rng.integers(0, 3))
+        return 1 + self.rng.randrange(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) * self.scale(x))
+
+
+REACHED = ["helper object table", "dict of dicts", "helper object counter", "class attribute", "global", "numpy generator", "python generator"]
+
+
+@pytest.mark.parametrize("where", REACHED)
+def test_state_a_call_reaches_outside_its_attributes_is_kept_by_planning_and_never_rerun(where: str) -> None:
+    """Tracing left fake tensors in caches outside the module's own attributes (every
+    later loss fake) and advanced their counters and generators; a checkpointed call
+    changed them again in its rerun (gradients 27-78% off). Now planning leaves them as
+    they were and such calls run unplanned."""
+    global _ticks
+    torch.manual_seed(0)
+    shared = Shared()
+    model = nn.Sequential(*[m for _ in range(3) for m in (ReachesState(where, shared), mlp())]).double()
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+    reference = copy.deepcopy(model)
+
+    def reset() -> None:
+        global _ticks
+        ReachesState.ticks, _ticks = 0, 0
+        for m in (model, reference):
+            m[0].shared.calls = 0
+            for block in m[0::2]:
+                block.rng = np.random.default_rng(0) if where == "numpy generator" else random.Random(0)
+
+    before = (shared.calls, ReachesState.ticks, _ticks, pickle.dumps(model[0].rng))
+    plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert shared.table is None and all(block.cache == {"cpu": {}} for block in model[0::2])
+    assert (shared.calls, ReachesState.ticks, _ticks, pickle.dumps(model[0].rng)) == before
+    assert plan.regions and all(parse_span(r.path) is None and int(r.path.split(".")[0]) % 2 for r in plan.regions)
+    optremat.apply(model, plan)
+    for _ in range(2):
+        reset()
+        want = step(reference, inputs)
+        reset()
+        assert_same(step(model, inputs), want)
 
 
 def test_a_call_writing_a_tensor_attribute_in_place_is_never_checkpointed() -> None:

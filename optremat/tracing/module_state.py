@@ -3,21 +3,34 @@ tells a module call that changes it (a rerun under checkpoint would change it ag
 
 Tracing runs the model's own forward on fake tensors. A forward that caches a tensor in
 an attribute (a rotary table filled on first use, a buffer registered as None and set
-later) or counts its calls keeps what the trace gave it unless it is put back: a fake
-tensor where a real one belongs turns every later loss and gradient fake. A forward that
-updates a plain tensor attribute in place (a statistic kept outside the buffers) updates
-the real tensor even on fake inputs. `kept` restores every module's attributes as they
-were, containers (dicts, lists, sets) in place one level down, and the contents of the
-tensors among them (and in tuples) that were written over. `python_state` is the part of
-a module's attributes a call can change (not its parameters, buffers, submodules or
-hooks), compared before and after each call.
+later, a table kept per device and length in a dict of dicts, or on a helper object the
+blocks share) or counts its calls keeps what the trace gave it unless it is put back: a
+fake tensor where a real one belongs turns every later loss and gradient fake. A forward
+that updates a plain tensor attribute in place (a statistic kept outside the buffers)
+updates the real tensor even on fake inputs.
+
+What a module reaches (`_reachable`): its attributes, and through containers (dicts,
+lists, sets, tuples) and plain objects' attributes what they hold, not through other
+modules, tensors, classes or functions; random number generators held so (numpy's and
+Python's); and the plain values of its class's attributes and of the globals its
+forward reads (a container among those globals is not walked: libraries keep registries
+there that their own hooks must agree with). `kept` restores all of it as it was, and
+the contents of tensors among the modules' attributes (containers one level down) that
+were written over. `python_state` is all of it but the module's parameters, buffers,
+submodules and hooks, compared before and after each call.
 """
 
 from __future__ import annotations
 
+import builtins
+import pickle
+import random
+import sys
+import types
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -25,36 +38,179 @@ _OWN = frozenset(nn.Module().__dict__)
 """The attributes every nn.Module has: parameters, buffers, submodules, hooks, mode."""
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_GENERATORS = (random.Random, np.random.Generator, np.random.RandomState)
+_OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType)
+"""Values a walk does not enter: modules (walked on their own), tensors, classes, functions."""
+WALK_LIMIT = 4096
+"""The most objects one walk visits: a module holding a large structure is walked so far."""
 
 
 @contextmanager
 def kept(model: nn.Module) -> Iterator[None]:
-    """While it lasts, `model`'s modules may change their attributes; then every module
-    that was in the model holds what it held before, and only that."""
+    """While it lasts, `model`'s modules may change their attributes and what they reach;
+    then every module that was in the model holds what it held before, and only that, and
+    so does every object, generator, class attribute and global they reach."""
+    modules = list(model.modules())
     saved = [(module, dict(module.__dict__), {name: _contents(value) for name, value in module.__dict__.items()
                                               if isinstance(value, (dict, list, set))})
-             for module in model.modules()]
-    values = {id(t): (t, t._version, t.detach().to("cpu", copy=True)) for module in model.modules()
+             for module in modules]
+    reached = _reachable(_roots(modules))
+    contents = [(value, _snapshot(value)) for value in reached]
+    plain = [(space, dict(_plain_items(space))) for space in _namespaces(modules)]
+    values = {id(t): (t, t._version, t.detach().to("cpu", copy=True)) for module in modules
               for t in _tensors(module)}
     try:
         yield
     finally:
-        for module, attributes, contents in saved:
+        for module, attributes, own in saved:
             module.__dict__.clear()
             module.__dict__.update(attributes)
-            for name, content in contents.items():
+            for name, content in own.items():
                 _refill(attributes[name], content)
+        for value, content in contents:
+            if _changed(value, content):
+                _restore(value, content)
+        for space, items in plain:
+            for name, value in items.items():
+                if _plain_items(space).get(name, _MISSING) != value:
+                    _set(space, name, value)
         with torch.no_grad():
             for tensor, version, value in values.values():
                 if tensor._version != version:
                     (tensor if tensor.shape == value.shape else tensor.resize_(value.shape)).copy_(value)
 
 
+_MISSING = object()
+
+
 def python_state(module: nn.Module) -> tuple[Any, ...]:
-    """What a call of `module` could change of its own Python state: each attribute that
-    is not an nn.Module's own, by value where it is plain data, else by identity, a
-    container's entries one level down."""
-    return tuple((name, _entries(value)) for name, value in module.__dict__.items() if name not in _OWN)
+    """What a call of `module` could change of the Python state it reaches: each attribute
+    that is not an nn.Module's own, by value where it is plain data, else by identity;
+    every container and plain object it reaches by its entries; every generator by its
+    state; its class's and its forward's globals' plain values."""
+    own = tuple((name, _entries(value)) for name, value in module.__dict__.items() if name not in _OWN)
+    reached = tuple((id(value), _fingerprint(value)) for value in _reachable(_roots([module])))
+    return own, reached, tuple(tuple(_plain_items(space).items()) for space in _namespaces([module]))
+
+
+def _roots(modules: Iterable[nn.Module]) -> list[Any]:
+    """What a walk starts from: the modules' own attributes."""
+    return [value for module in modules for name, value in module.__dict__.items() if name not in _OWN]
+
+
+def _namespaces(modules: Iterable[nn.Module]) -> list[Any]:
+    """The classes of `modules` below nn.Module and the globals of their forwards, once each."""
+    found: dict[int, Any] = {}
+    for module in modules:
+        for cls in type(module).__mro__:
+            if cls is nn.Module:
+                break
+            found.setdefault(id(cls), cls)
+        space = getattr(getattr(type(module), "forward", None), "__globals__", None)
+        if space is not None:
+            found.setdefault(id(space), space)
+    return list(found.values())
+
+
+def _plain_items(space: Any) -> dict[str, Any]:
+    items = space if isinstance(space, dict) else vars(space)
+    return {name: value for name, value in list(items.items())
+            if isinstance(value, _PLAIN) and not _dunder(name)}
+
+
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _set(space: Any, name: str, value: Any) -> None:
+    if isinstance(space, dict):
+        space[name] = value
+    else:
+        setattr(space, name, value)
+
+
+def _reachable(roots: Iterable[Any]) -> list[Any]:
+    """The containers, plain objects and generators reachable from `roots`, at most
+    WALK_LIMIT of them."""
+    seen = _namespace_ids()
+    found: list[Any] = []
+    todo = list(roots)
+    while todo and len(found) < WALK_LIMIT:
+        value = todo.pop()
+        if id(value) in seen or isinstance(value, _PLAIN + _OPAQUE):
+            continue
+        seen.add(id(value))
+        if isinstance(value, _GENERATORS):
+            found.append(value)
+        elif isinstance(value, dict):
+            found.append(value)
+            todo += [item for pair in _items(value) for item in pair]
+        elif isinstance(value, (list, set)):
+            found.append(value)
+            todo += _members(value)
+        elif isinstance(value, tuple):
+            todo += _members(value)
+        elif isinstance(getattr(value, "__dict__", None), dict):
+            found.append(value)
+            todo += list(vars(value).values())
+    return found
+
+
+_NAMESPACES: tuple[int, set[int]] = (-1, set())
+
+
+def _namespace_ids() -> set[int]:
+    """The ids of Python's modules' namespaces, which no walk enters (Dynamo puts the
+    builtins' in the globals of the code it compiles)."""
+    global _NAMESPACES
+    if _NAMESPACES[0] != len(sys.modules):
+        _NAMESPACES = (len(sys.modules), {id(vars(m)) for m in list(sys.modules.values()) if hasattr(m, "__dict__")}
+                       | {id(vars(builtins))})
+    return set(_NAMESPACES[1])
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, random.Random):
+        return value.getstate()
+    if isinstance(value, np.random.Generator):
+        return value.bit_generator.state
+    if isinstance(value, np.random.RandomState):
+        return value.get_state()
+    if isinstance(value, (dict, list, set)):
+        return _contents(value)
+    return dict(vars(value))
+
+
+def _changed(value: Any, content: Any) -> bool:
+    """Whether `value` holds other than its snapshot `content`, entry by entry by identity."""
+    now = _snapshot(value)
+    if isinstance(value, _GENERATORS):
+        return pickle.dumps(now) != pickle.dumps(content)
+    ids = lambda c: [(id(k), id(v)) for k, v in c.items()] if isinstance(c, dict) else [id(v) for v in c]  # noqa: E731
+    return ids(now) != ids(content)
+
+
+def _restore(value: Any, content: Any) -> None:
+    if isinstance(value, random.Random):
+        value.setstate(content)
+    elif isinstance(value, np.random.Generator):
+        value.bit_generator.state = content
+    elif isinstance(value, np.random.RandomState):
+        value.set_state(content)
+    elif isinstance(value, (dict, list, set)):
+        _refill(value, content)
+    else:
+        vars(value).clear()
+        vars(value).update(content)
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, _GENERATORS):
+        return pickle.dumps(_snapshot(value))
+    if isinstance(value, (dict, list, set)):
+        return _entries(value)
+    return ("object", tuple((name, _identity(v)) for name, v in vars(value).items()))
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -66,7 +222,8 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     for name, value in module.__dict__.items():
         if name in _OWN:
             continue
-        inside = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set, tuple)) else ()
+        inside = ([v for _, v in _items(value)] if isinstance(value, dict)
+                  else _members(value) if isinstance(value, (list, set, tuple)) else ())
         found += [t for t in (value, *inside) if isinstance(t, torch.Tensor) and not t.is_meta and not t.is_inference()]
     return found
 
@@ -76,17 +233,30 @@ def _identity(value: Any) -> Any:
 
 
 def _entries(value: Any) -> Any:
+    if isinstance(value, set):
+        return ("set", id(value), frozenset(_identity(v) for v in _members(value)))
     if isinstance(value, dict):
-        return ("dict", id(value), tuple((_identity(k), _identity(v)) for k, v in value.items()))
+        return ("dict", id(value), tuple((_identity(k), _identity(v)) for k, v in _items(value)))
     if isinstance(value, list):
-        return ("list", id(value), tuple(_identity(v) for v in value))
+        return ("list", id(value), tuple(_identity(v) for v in _members(value)))
     if isinstance(value, tuple):  # a shape set again as the same tuple changes nothing
-        return ("tuple", tuple(_identity(v) for v in value))
+        return ("tuple", tuple(_identity(v) for v in _members(value)))
     return _identity(value)
 
 
+def _items(container: dict) -> list[tuple[Any, Any]]:
+    """A dict's entries as stored: a subclass's own lookup (transformers' ACT2FN builds an
+    object on each) is not run."""
+    return list(dict.items(container))
+
+
+def _members(container: list | set | tuple) -> list[Any]:
+    base = list if isinstance(container, list) else set if isinstance(container, set) else tuple
+    return list(base.__iter__(container))
+
+
 def _contents(container: dict | list | set) -> Any:
-    return dict(container) if isinstance(container, dict) else list(container)
+    return dict(_items(container)) if isinstance(container, dict) else _members(container)
 
 
 def _refill(container: dict | list | set, content: Any) -> None:
