@@ -497,7 +497,6 @@ def test_state_a_call_reaches_outside_its_attributes_is_kept_by_planning_and_nev
     later loss fake) and advanced their counters and generators; a checkpointed call
     changed them again in its rerun (gradients 27-78% off). Now planning leaves them as
     they were and such calls run unplanned."""
-    global _ticks
     torch.manual_seed(0)
     shared = Shared()
     model = nn.Sequential(*[m for _ in range(3) for m in (ReachesState(where, shared), mlp())]).double()
