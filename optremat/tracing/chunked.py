@@ -98,10 +98,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                                "forward and has no second derivative, so a backward with create_graph=True "
                                "(a gradient penalty) cannot run through it; plan with head_chunks=None (or "
                                "CausalLMLoss(chunks=None)) to run the head whole")
-        if torch._C._autograd._get_current_graph_task_keep_graph():
-            grads = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
-        else:
-            grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
+        scale = torch.mul if torch._C._autograd._get_current_graph_task_keep_graph() else torch.Tensor.mul_
+        grads = [None if g is None else scale(g, grad_loss) for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None, None)
 
 

@@ -153,7 +153,7 @@ def roofline_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
     flops = op_flops(node.target, args, kwargs, out)
     moved = moved_bytes(node.target, args, kwargs, out)
     return (max(flops / profile.flops_per_second, moved / profile.bytes_per_second) + profile.launch_seconds
-            + mapped_seconds(node, profile))
+            + mapped_seconds(node.target, out, profile))
 
 
 _GATHERS = {aten.embedding, aten.gather, aten.index_select, aten.index}
@@ -184,14 +184,13 @@ def moved_bytes(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return whole
 
 
-def mapped_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
-    """Seconds faulting in the pages of the new outputs of `node` that the allocator maps
-    fresh (each of at least `profile.mapped_bytes`); outputs that view or write over an
-    input (by the op's schema) allocate nothing."""
-    returns = getattr(getattr(node.target, "_schema", None), "returns", None)
+def mapped_seconds(target: Any, out: Any, profile: DeviceProfile) -> float:
+    """Seconds faulting in the pages of the new outputs `out` of the op `target` that the
+    allocator maps fresh (each of at least `profile.mapped_bytes`); outputs that view or
+    write over an input (by the op's schema) allocate nothing."""
+    returns = getattr(getattr(target, "_schema", None), "returns", None)
     if profile.mapped_bytes is None or not returns:
         return 0.0
-    out = node.meta.get("val")
     outs = out if isinstance(out, (tuple, list)) else (out,)
     aliases = [r.alias_info for r in returns] if len(returns) == len(outs) else [returns[0].alias_info] * len(outs)
     sizes = [tensor_bytes(t) for t, alias in zip(outs, aliases) if alias is None and isinstance(t, torch.Tensor)]

@@ -28,7 +28,7 @@ import random
 import sys
 import types
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -38,12 +38,19 @@ _OWN = frozenset(nn.Module().__dict__)
 """The attributes every nn.Module has: parameters, buffers, submodules, hooks, mode."""
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
-_GENERATORS = (random.Random, np.random.Generator, np.random.RandomState)
+_GENERATOR_STATES: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]] = {
+    random.Random: (random.Random.getstate, random.Random.setstate),
+    np.random.Generator: (lambda g: g.bit_generator.state, lambda g, state: setattr(g.bit_generator, "state", state)),
+    np.random.RandomState: (np.random.RandomState.get_state, np.random.RandomState.set_state),
+}
+"""How the state of each kind of generator is read and set."""
+_GENERATORS = tuple(_GENERATOR_STATES)
 _OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
            types.BuiltinFunctionType)
 """Values a walk does not enter: modules (walked on their own), tensors, classes, functions."""
 WALK_LIMIT = 4096
 """The most objects one walk visits: a module holding a large structure is walked so far."""
+_MISSING = object()
 
 
 @contextmanager
@@ -72,16 +79,14 @@ def kept(model: nn.Module) -> Iterator[None]:
             if _changed(value, content):
                 _restore(value, content)
         for space, items in plain:
+            now = _plain_items(space)
             for name, value in items.items():
-                if _plain_items(space).get(name, _MISSING) != value:
+                if now.get(name, _MISSING) != value:
                     _set(space, name, value)
         with torch.no_grad():
             for tensor, version, value in values.values():
                 if tensor._version != version:
                     (tensor if tensor.shape == value.shape else tensor.resize_(value.shape)).copy_(value)
-
-
-_MISSING = object()
 
 
 def python_state(module: nn.Module) -> tuple[Any, ...]:
@@ -133,12 +138,12 @@ def _set(space: Any, name: str, value: Any) -> None:
 def _reachable(roots: Iterable[Any]) -> list[Any]:
     """The containers, plain objects and generators reachable from `roots`, at most
     WALK_LIMIT of them."""
-    seen = _namespace_ids()
+    namespaces, seen = _namespace_ids(), set()
     found: list[Any] = []
     todo = list(roots)
     while todo and len(found) < WALK_LIMIT:
         value = todo.pop()
-        if id(value) in seen or isinstance(value, _PLAIN + _OPAQUE):
+        if id(value) in seen or id(value) in namespaces or isinstance(value, _PLAIN + _OPAQUE):
             continue
         seen.add(id(value))
         if isinstance(value, _GENERATORS):
@@ -167,16 +172,18 @@ def _namespace_ids() -> set[int]:
     if _NAMESPACES[0] != len(sys.modules):
         _NAMESPACES = (len(sys.modules), {id(vars(m)) for m in list(sys.modules.values()) if hasattr(m, "__dict__")}
                        | {id(vars(builtins))})
-    return set(_NAMESPACES[1])
+    return _NAMESPACES[1]
+
+
+def _generator_state(value: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], None]] | None:
+    """How to read and set `value`'s state where it is a generator, else None."""
+    return next((state for kind, state in _GENERATOR_STATES.items() if isinstance(value, kind)), None)
 
 
 def _snapshot(value: Any) -> Any:
-    if isinstance(value, random.Random):
-        return value.getstate()
-    if isinstance(value, np.random.Generator):
-        return value.bit_generator.state
-    if isinstance(value, np.random.RandomState):
-        return value.get_state()
+    state = _generator_state(value)
+    if state is not None:
+        return state[0](value)
     if isinstance(value, (dict, list, set)):
         return _contents(value)
     return dict(vars(value))
@@ -192,12 +199,9 @@ def _changed(value: Any, content: Any) -> bool:
 
 
 def _restore(value: Any, content: Any) -> None:
-    if isinstance(value, random.Random):
-        value.setstate(content)
-    elif isinstance(value, np.random.Generator):
-        value.bit_generator.state = content
-    elif isinstance(value, np.random.RandomState):
-        value.set_state(content)
+    state = _generator_state(value)
+    if state is not None:
+        state[1](value, content)
     elif isinstance(value, (dict, list, set)):
         _refill(value, content)
     else:
