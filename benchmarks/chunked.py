@@ -100,11 +100,12 @@ def gpt_mini(rounds: int, limit: float, cost_model: str) -> tuple[list[str], lis
 def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
         dtype: torch.dtype = torch.float32, fractions: tuple[float, ...] = (0.85, 0.7, 0.55),
         least_peaks: bool = True, torch_budget: float | None = None, cost_model: str = "roofline",
-        inner: str | None = None) -> tuple[list[str], list[list[str]]]:
+        inner: str | None = None, profile: optremat.DeviceProfile | None = None) -> tuple[list[str], list[list[str]]]:
     """`HiddenGPT` of `shape` on `device` in `dtype`, its loss a `CausalLMLoss`, against
     per-block checkpointing with the whole head and with PyTorch's chunked loss, and with
     `torch_budget` against the step (model and whole loss) compiled under PyTorch's
-    `activation_memory_budget`; optremat's ops priced by `cost_model`; with `inner`, also
+    `activation_memory_budget`; optremat's ops priced by `cost_model` (on `profile`, the
+    device's own by default); with `inner`, also
     `optremat.compile_backend` on the model (that inner compiler), the loss's chunks left
     to it, at each peer's peak."""
     torch.manual_seed(0)
@@ -138,10 +139,11 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         forward = torch.compile(model, backend=backend, dynamic=False)
         return lambda: torch.autograd.grad(auto(forward(idx)), params)
 
+    pricing = {"cost_model": cost_model} | ({} if profile is None else {"device": profile})
     compiled = None if inner is None else (lambda label, budget, measured: compiled_plan(
-        auto, label, budget, inner, limit, cost_model, compiled_step, measured))
-    return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, cost_model=cost_model),
-                   dict(loss_fn=auto, cost_model=cost_model), rounds, limit, device, fractions, least_peaks, labels,
+        auto, label, budget, inner, limit, pricing, compiled_step, measured))
+    return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, **pricing),
+                   dict(loss_fn=auto, **pricing), rounds, limit, device, fractions, least_peaks, labels,
                    compiled)
 
 
@@ -181,7 +183,7 @@ def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[l
     return compare(model, inputs, step, step, peers, dict(head_chunks=None, cost_model=cost_model),
                    dict(cost_model=cost_model), rounds, limit,
                    compiled=lambda label, budget, measured: compiled_plan(
-                       None, label, budget, "inductor", limit, cost_model, compiled_step, measured,
+                       None, label, budget, "inductor", limit, {"cost_model": cost_model}, compiled_step, measured,
                        "optremat compile_causal_lm"))
 
 

@@ -18,7 +18,9 @@ head and with the chunks priced. Peaks come from the CUDA allocator, step times 
 interleaved rounds (the median of per-round ratios to the unplanned step), as
 `benchmarks.native` measures them. Writes gpu.md under $OUT when it is set, else here;
 with `--cost-model profile`, every op timed on the GPU instead of priced by the roofline
-(`gpu_profile.md`).
+(`gpu_profile.md`); with `--measured`, the roofline over the GPU's rates as
+`optremat.measure_profile` measures them before planning instead of its built-in profile
+(`gpu_measured.md`).
 
 `--smoke` runs the same code on the CPU on a 2-block GPT of width 64, for one round with
 2 s plans at per-block checkpointing's peak only (no least peaks; compiled by aot_eager),
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+import optremat
 from benchmarks.chunked import GPT_SMALL, HEADER, gpt
 from benchmarks.report import write_rows
 from optremat.tracing.costs import COST_MODELS
@@ -51,6 +54,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
     parser.add_argument("--cost-model", default="roofline", choices=COST_MODELS,
                         help="how plans price ops: the roofline model, or each op timed on the GPU (profile)")
+    parser.add_argument("--measured", action="store_true",
+                        help="price ops over the rates optremat.measure_profile measures on this GPU")
     parser.add_argument("--smoke", action="store_true", help="a tiny configuration on the CPU, one round, no page")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
@@ -65,13 +70,19 @@ def main() -> None:
     command = " ".join(["python -m benchmarks.gpu"] + sys.argv[1:])
     head = ["# LM head chunks on a GPU", "", f"Machine: {machine}, torch {torch.__version__}. Command: `{command}`.",
             "", __doc__.split("\n\n", 2)[2].split("\n\n`--smoke`")[0].strip(), ""]
-    page = "gpu.md" if args.cost_model == "roofline" else f"gpu_{args.cost_model}.md"
+    if args.measured and args.cost_model != "roofline":
+        parser.error("--measured measures the rates the roofline prices ops over: not with --cost-model profile")
+    profile = optremat.measure_profile(device) if args.measured else None
+    if profile is not None:
+        head += [f"Measured profile: {profile}.", ""]
+        print(head[-2], flush=True)
+    page = "gpu_measured.md" if args.measured else "gpu.md" if args.cost_model == "roofline" else f"gpu_{args.cost_model}.md"
     out = Path(os.environ.get("OUT", Path(__file__).parent)) / page
     notes: list[str] = []
     rows: list[list[str]] = []
     for name in dtypes:
         floors, table = gpt(shape, batch, rounds, limit, device, DTYPES[name], fractions, least_peaks=not args.smoke,
-                            cost_model=args.cost_model, inner="aot_eager" if args.smoke else "inductor")
+                            cost_model=args.cost_model, inner="aot_eager" if args.smoke else "inductor", profile=profile)
         notes += [f"- {name}: {line}" for line in floors]
         rows += [[name, *row] for row in table]
         if args.smoke:

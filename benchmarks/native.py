@@ -198,7 +198,7 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
             budgets.append((f"= torch {fraction:g}", peak, True))
             methods[f"compile_backend = torch {fraction:g}"] = compiled_plan(
                 compiled_loss(case, name), f"= torch {fraction:g}", peak,
-                "inductor" if backend == "inductor" else "aot_eager", limit, cost_model,
+                "inductor" if backend == "inductor" else "aot_eager", limit, {"cost_model": cost_model},
                 lambda planned: step_of(torch.compile(model, backend=planned, dynamic=False)), measured)
     budgets += [(f"{f:.0%}", f, True) for f in (0.5, 0.7, 0.9)]
     for label, budget, with_loss in budgets:
@@ -247,14 +247,15 @@ def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], r
 
 
 def compiled_plan(loss_fn: Callable[[Any], torch.Tensor] | None, label: str, budget: int, inner: str, limit: float,
-                  cost_model: str, compiled_step: Callable[[Backend], Callable[[], Any]],
+                  pricing: dict[str, Any], compiled_step: Callable[[Backend], Callable[[], Any]],
                   measured: Callable[[Callable[[], Any]], int], method: str = "optremat compile_backend"
                   ) -> tuple[Callable[[], Any] | None, dict[str, str]]:
-    """`optremat.compile_backend` at `budget` bytes (`label` names it), pricing `loss_fn`:
+    """`optremat.compile_backend` at `budget` bytes (`label` names it), pricing `loss_fn`
+    (its ops priced by `pricing`: `cost_model` and `device`):
     the step `compiled_step(backend)` makes (None when infeasible) and its row's fields.
     Where the plan chose the chunks of a `loss_fn`'s LM head, the step installs them
     before each run, as other rows' plans install theirs on the same head."""
-    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=loss_fn, cost_model=cost_model)
+    backend = optremat.compile_backend(budget, inner=inner, time_limit=limit, loss_fn=loss_fn, **pricing)
     method = f"{method} ({inner})"
     started = time.perf_counter()
     step = compiled_step(backend)

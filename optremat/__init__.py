@@ -29,6 +29,7 @@ _ON_FIRST_USE = {
     "PlanMismatch": "optremat.runtime.native",
     "compile_backend": "optremat.compiler.backend", "KnapsackSolver": "optremat.compiler.knapsack",
     "compile_causal_lm": "optremat.compiler.causal_lm",
+    "DeviceProfile": "optremat.tracing.costs", "measure_profile": "optremat.tracing.calibrate",
 }
 """Exported names that need torch and the modules that hold them, imported when first asked for."""
 
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CausalLMLoss",
     "DDP",
+    "DeviceProfile",
     "ExtractionError",
     "FSDP",
     "Graph",
@@ -74,6 +76,7 @@ __all__ = [
     "from_computations",
     "from_kept",
     "keep_all",
+    "measure_profile",
     "plan",
     "price_regions",
     "recompute_all",

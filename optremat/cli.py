@@ -387,11 +387,28 @@ def _plot(result: Any, path: str) -> None:
     plt.close(fig)
 
 
+DEVICE_HELP = ("device profile ops are priced on: cpu, a100, h100, h200, or 'measured' (this machine's GPU, else its "
+               "CPU, measured in about a second)")
+
+
+def _device(text: str) -> Any:
+    """A device profile's name, or for 'measured' this machine's profile measured now."""
+    from optremat.tracing.costs import DEVICES
+    if text == "measured":
+        import torch
+
+        from optremat.tracing.calibrate import measure_profile
+        return measure_profile("cuda" if torch.cuda.is_available() else "cpu")
+    if text not in DEVICES:
+        raise ValueError(f"unknown --device {text!r}; choose one of {', '.join(DEVICES)} or measured")
+    return text
+
+
 def _add_source(command: argparse.ArgumentParser, model_help: str) -> None:
     source = command.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help=model_help)
     source.add_argument("--graph", help="a graph file (optremat JSON or a published node-link benchmark graph)")
-    command.add_argument("--device", default="cpu", help="device profile for roofline costs (cpu, a100, h100)")
+    command.add_argument("--device", default="cpu", help=DEVICE_HELP)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -445,7 +462,7 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-overhead", type=float, default=0.25, help="extra compute allowed for a planned batch")
     batch.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per batch size tried")
     batch.add_argument("--deterministic", action="store_true", help="reproducible solver runs (deterministic time)")
-    batch.add_argument("--device", default="cpu", help="device profile for roofline costs (cpu, a100, h100)")
+    batch.add_argument("--device", default="cpu", help=DEVICE_HELP)
     batch.add_argument("--progress", action="store_true", help="print each batch size tried to stderr")
     batch.add_argument("--head-chunks", action="store_true",
                        help="a GPT's LM head and loss priced whole and in token chunks, the cheapest fitting taken")
@@ -475,6 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from optremat.tracing.extract import ExtractionError
 
     try:
+        if hasattr(args, "device"):
+            args.device = _device(args.device)
         return args.run(args)
     except InfeasibleBudget as error:
         print(f"optremat: infeasible: {error}", file=sys.stderr)

@@ -225,7 +225,16 @@ def test_plan_refuses_bad_options_with_one_line_before_loading_the_model(tmp_pat
                        (("--model", "mlp-tiny", "--save", str(tmp_path)), "is a directory")):
         assert says in one_line_error(run(*plan, *args)), args
     assert "budget '1.5' is neither" in one_line_error(run("plan", "--model", "mlp-tiny", "--budget", "1.5"))
+    assert "unknown --device 'tpu'" in one_line_error(run(*plan, "--model", "mlp-tiny", "--device", "tpu"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_prices_ops_over_rates_measured_on_this_machine():
+    result = run("plan", "--model", "resnet-tiny", "--budget", "0.9", "--device", "measured", "--time-limit", "5",
+                 "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["peak_bytes"] <= report["budget_bytes"] and report["overhead"] > 0
 
 
 def test_show_refuses_what_is_not_a_saved_plan_with_one_line(tmp_path):

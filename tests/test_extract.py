@@ -1,8 +1,11 @@
+import math
+
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
+import optremat
 from optremat import ExtractionError, extract, keep_all, simulate
 from optremat.models import BUILDERS, build
 from optremat.runtime.measure import measure_step
@@ -260,9 +263,36 @@ def test_the_cpu_prices_faulting_in_the_pages_of_each_new_output_of_32_mib_or_mo
     moved = {op: small[op] - launch for op in small}
     assert big["aten.mul.Tensor"] == pytest.approx(launch + 2 * moved["aten.mul.Tensor"] + pages, rel=1e-6)
     assert big["aten.add_.Tensor"] == pytest.approx(launch + 2 * moved["aten.add_.Tensor"], rel=1e-6)
-    launch = DEVICES["h100"].launch_seconds
-    on_gpu = [_priced(step, torch.empty(rows, 2**20), profile="h100")["aten.mul.Tensor"] - launch for rows in (8, 4)]
+    on_gpu = [_priced(step, torch.empty(rows, 2**20), profile="h100")["aten.mul.Tensor"] for rows in (8, 4)]
     assert on_gpu[0] == pytest.approx(2 * on_gpu[1], rel=1e-6)
+
+
+def test_a_gpu_prices_float32_products_at_their_rate_and_overlaps_launches_with_work():
+    """A GPU multiplies float32 at a fraction of the 16-bit rate (TF32 off), and runs one
+    op while the host launches the next: a tiny op costs its launch, a big one its work."""
+    h100 = DEVICES["h100"]
+    product = lambda a, b: a @ b  # noqa: E731
+    for dtype, rate in ((torch.bfloat16, h100.flops_per_second), (torch.float32, h100.float32_flops_per_second)):
+        side = 2048
+        cost = _priced(product, torch.empty(side, side, dtype=dtype), torch.empty(side, side, dtype=dtype),
+                       profile="h100")["aten.mm.default"]
+        assert cost == pytest.approx(2 * side**3 / rate, rel=1e-6)
+    tiny = _priced(lambda x: x * 2, torch.empty(8), profile="h100")["aten.mul.Tensor"]
+    assert tiny == h100.launch_seconds
+    assert _priced(lambda x: x * 2, torch.empty(8))["aten.mul.Tensor"] > DEVICES["cpu"].launch_seconds
+
+
+def test_a_profile_measured_on_this_machine_prices_a_plan():
+    """`measure_profile` times this machine's rates (each positive and finite) and a plan
+    priced over them runs and records the profile's name."""
+    profile = optremat.measure_profile("cpu", name="this cpu")
+    rates = [getattr(profile, field) for field in ("flops_per_second", "float32_flops_per_second", "bytes_per_second",
+                                                   "launch_seconds", "rerun_seconds")]
+    assert all(0 < rate < math.inf for rate in rates) and not profile.overlaps_launch
+    assert min(profile.dispatch_seconds, profile.pack_seconds) >= 0
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+    made = optremat.plan(model, (torch.randn(4096, 64),), 0.95, device=profile, time_limit=5, deterministic=True)
+    assert made.device == "this cpu" and made.predicted_overhead > 0
 
 
 def test_ops_indexing_into_a_tensor_move_only_the_elements_they_select():

@@ -30,7 +30,7 @@ from optremat.planning.chunking import choices, head_name, solve_chunked
 from optremat.planning.native import region_map, solve_native
 from optremat.planning.result import Chunking, Plan, loss_note
 from optremat.tracing.causal_lm import own_head, running
-from optremat.tracing.costs import model_device
+from optremat.tracing.costs import DeviceProfile, model_device
 from optremat.tracing.extract import DefaultLoss, trace
 from optremat.tracing.fingerprint import model_fingerprint, package_version
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss
@@ -38,7 +38,7 @@ from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-         cost_model: str = "roofline", device: str | None = None, workers: int = 0, seed: int = 0,
+         cost_model: str = "roofline", device: str | DeviceProfile | None = None, workers: int = 0, seed: int = 0,
          deterministic: bool = False, progress: Progress | None = None, cache: str | Path | None = None,
          parallel: Parallel | None = None, head_chunks: int | str | None = AUTO) -> Plan:
     """Plan one training step of `model` on inputs shaped like `example_inputs` under `budget`.
@@ -65,7 +65,9 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     `head_chunks` "auto" leaves its head to the plan, None keeps the model's own forward
     (the whole logits in its output), a count runs the head in that many token chunks;
     once applied, the training steps of a chunked head return `outputs.logits` as None.
-    `progress`,
+    `device` prices the ops: a built-in profile's name (cpu, a100, h100, h200), a
+    `DeviceProfile` (`optremat.measure_profile()` measures this machine's), or None for
+    the profile of the device the parameters are on. `progress`,
     if given, is called as the search goes: (seconds, overhead, proven lower bound on
     the overhead).
     `cache`, a directory, keeps plans across runs: a second call for the same model,
@@ -130,7 +132,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
                        mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn, default.source, chunks),
                        parallel=parallel, solve_seconds=time.perf_counter() - started,
-                       cost_model=cost_model, device=str(device_name))
+                       cost_model=cost_model, device=getattr(device_name, "name", device_name))
 
     if cache is None:
         return solved()

@@ -42,7 +42,12 @@ class DeviceProfile:
     freed block up to that), so each op writing a new output that large faults in every
     page of it, at `mapped_bytes_per_second` (measured on a 2-core x86 CPU with torch
     2.13: a 64 MiB multiply took 26.6 ms into a new tensor and 5.0 ms into a reused one).
-    Caching allocators (a GPU's) keep their blocks: None there."""
+    Caching allocators (a GPU's) keep their blocks: None there.
+
+    `float32_flops_per_second`: the product rate of ops on float32 (and float64) tensors,
+    where it differs from the 16-bit rate `flops_per_second` (a GPU's tensor cores; None:
+    the same). `overlaps_launch`: the device works on one op while the host launches the
+    next (a GPU), so an op takes the longer of its launch and its work, not their sum."""
 
     name: str
     flops_per_second: float
@@ -54,18 +59,43 @@ class DeviceProfile:
     rng_state_bytes: int = 0
     mapped_bytes: int | None = None
     mapped_bytes_per_second: float = 3.0e9
+    float32_flops_per_second: float | None = None
+    overlaps_launch: bool = False
+
+    def flop_rate(self, args: Any) -> float:
+        """The product rate of an op on `args`: the float32 one where a floating tensor
+        among them is float32 or float64."""
+        if self.float32_flops_per_second is not None and any(
+                isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float64)
+                for t in torch.utils._pytree.tree_leaves(args)):
+            return self.float32_flops_per_second
+        return self.flops_per_second
 
 
 COST_MODELS = ("roofline", "profile")
 """How ops are priced: from FLOPs and bytes over a device profile, or timed on this machine."""
 
+_CUDA_HOST = dict(launch_seconds=8e-6, dispatch_seconds=1.1e-5, rerun_seconds=7e-4, pack_seconds=1.8e-5,
+                  overlaps_launch=True)
+"""What PyTorch's host side costs driving a GPU, measured by `measure_profile` on an H200
+host (torch 2.11, CUDA 13): a tiny op's launch, a selective policy's look, a checkpointed
+call (its RNG state stashed and restored on the GPU), a tensor packed under checkpoint."""
+
 DEVICES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", flops_per_second=1.0e11, bytes_per_second=1.0e10, launch_seconds=5e-6,
                          rng_state_bytes=torch.get_rng_state().nbytes, mapped_bytes=32 * 2**20),
-    "a100": DeviceProfile("a100", flops_per_second=1.56e14, bytes_per_second=1.6e12, launch_seconds=5e-6),
-    "h100": DeviceProfile("h100", flops_per_second=4.9e14, bytes_per_second=3.0e12, launch_seconds=4e-6),
-    "h200": DeviceProfile("h200", flops_per_second=4.9e14, bytes_per_second=4.3e12, launch_seconds=4e-6),
+    "a100": DeviceProfile("a100", flops_per_second=2.4e14, float32_flops_per_second=1.45e13, bytes_per_second=1.7e12,
+                          **_CUDA_HOST),
+    "h100": DeviceProfile("h100", flops_per_second=7.5e14, float32_flops_per_second=5.0e13, bytes_per_second=2.85e12,
+                          **_CUDA_HOST),
+    "h200": DeviceProfile("h200", flops_per_second=7.5e14, float32_flops_per_second=5.0e13, bytes_per_second=4.0e12,
+                          **_CUDA_HOST),
 }
+"""The GPUs' rates as `measure_profile` measured them on an H200 with torch 2.11 (its
+products at 4096: 7.4-7.8e14 FLOP/s in bfloat16, 5.05e13 in float32, TF32 off; copies at
+4.0-4.1e12 B/s); the H100 has the same products, the A100's are scaled by its peak rates
+(312 and 19.5 TFLOP/s against 989 and 67); their bandwidths are the same share (85%) of
+their spec sheets' (3.35 and 2.0 TB/s) as the H200's of its 4.8."""
 
 _SAME_FLOPS_AS = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
@@ -97,8 +127,8 @@ def profile_for(device: torch.device) -> str:
     known = [profile for profile in DEVICES if profile != "cpu" and profile in name]
     if known:
         return known[0]
-    warnings.warn(f"no cost profile for {name!r}: ops are priced as on an H100; pass device= a DeviceProfile "
-                  "or cost_model='profile' to price them on this GPU", stacklevel=3)
+    warnings.warn(f"no cost profile for {name!r}: ops are priced as on an H100; pass "
+                  "device=optremat.measure_profile() or cost_model='profile' to price them on this GPU", stacklevel=3)
     return "h100"
 
 
@@ -152,8 +182,9 @@ def roofline_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
     out = node.meta.get("val")
     flops = op_flops(node.target, args, kwargs, out)
     moved = moved_bytes(node.target, args, kwargs, out)
-    return (max(flops / profile.flops_per_second, moved / profile.bytes_per_second) + profile.launch_seconds
-            + mapped_seconds(node.target, out, profile))
+    work = max(flops / profile.flop_rate(args), moved / profile.bytes_per_second)
+    launched = max(work, profile.launch_seconds) if profile.overlaps_launch else work + profile.launch_seconds
+    return launched + mapped_seconds(node.target, out, profile)
 
 
 _GATHERS = {aten.embedding, aten.gather, aten.index_select, aten.index}
@@ -204,7 +235,7 @@ def fused_cost(node: torch.fx.Node, profile: DeviceProfile) -> float:
     args, kwargs = _fake_arguments(node)
     out = node.meta.get("val")
     elements = concrete(out.numel()) if isinstance(out, torch.Tensor) else 0
-    return max(op_flops(node.target, args, kwargs, out), elements) / profile.flops_per_second
+    return max(op_flops(node.target, args, kwargs, out), elements) / profile.flop_rate(args)
 
 
 def _fake_arguments(node: torch.fx.Node) -> tuple[Any, Any]:
