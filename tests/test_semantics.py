@@ -446,13 +446,16 @@ class Shared:
 
 
 _ticks = 0
+_TABLES: dict[int, torch.Tensor] = {}
+_SEEN: list[int] = []
 
 
 class ReachesState(nn.Module):
     """A block whose forward changes Python state outside its own attributes, or draws
     from a generator it holds: a table filled on first use in a helper object or in a
-    dict of dicts, a counter on a helper object, on its class or in its module's globals,
-    numbers drawn from numpy's or Python's generator objects. Each scales its output by
+    dict of dicts or in a dict among its module's globals, a counter on a helper object, on
+    its class, in its module's globals or as a global list's length, numbers drawn from
+    numpy's or Python's generator objects. Each scales its output by
     what it read, so a rerun that changed the state again would change the gradients."""
 
     ticks = 0
@@ -480,6 +483,11 @@ class ReachesState(nn.Module):
         if self.where == "global":
             _ticks += 1
             return 1 + _ticks % 3
+        if self.where == "global dict table":
+            return _TABLES.setdefault(x.shape[0], torch.cos(torch.arange(64, dtype=x.dtype)))
+        if self.where == "global list":
+            _SEEN.append(x.shape[0])
+            return 1 + len(_SEEN) % 3
         if self.where == "numpy generator":
             return 1 + float(self.rng.integers(0, 3))
         return 1 + self.rng.randrange(3)
@@ -488,7 +496,8 @@ class ReachesState(nn.Module):
         return torch.tanh(self.lin(x) * self.scale(x))
 
 
-REACHED = ["helper object table", "dict of dicts", "helper object counter", "class attribute", "global", "numpy generator", "python generator"]
+REACHED = ["helper object table", "dict of dicts", "global dict table", "helper object counter", "class attribute",
+           "global", "global list", "numpy generator", "python generator"]
 
 
 @pytest.mark.parametrize("where", REACHED)
@@ -506,15 +515,17 @@ def test_state_a_call_reaches_outside_its_attributes_is_kept_by_planning_and_nev
     def reset() -> None:
         global _ticks
         ReachesState.ticks, _ticks = 0, 0
+        _SEEN.clear()
         for m in (model, reference):
             m[0].shared.calls = 0
             for block in m[0::2]:
                 block.rng = np.random.default_rng(0) if where == "numpy generator" else random.Random(0)
 
-    before = (shared.calls, ReachesState.ticks, _ticks, pickle.dumps(model[0].rng))
+    _TABLES.clear()
+    before = (shared.calls, ReachesState.ticks, _ticks, list(_SEEN), pickle.dumps(model[0].rng))
     plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
-    assert shared.table is None and all(block.cache == {"cpu": {}} for block in model[0::2])
-    assert (shared.calls, ReachesState.ticks, _ticks, pickle.dumps(model[0].rng)) == before
+    assert shared.table is None and all(block.cache == {"cpu": {}} for block in model[0::2]) and not _TABLES
+    assert (shared.calls, ReachesState.ticks, _ticks, list(_SEEN), pickle.dumps(model[0].rng)) == before
     assert plan.regions and all(parse_span(r.path) is None and int(r.path.split(".")[0]) % 2 for r in plan.regions)
     optremat.apply(model, plan)
     for _ in range(2):

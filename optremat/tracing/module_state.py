@@ -12,9 +12,10 @@ updates the real tensor even on fake inputs.
 What a module reaches (`_reachable`): its attributes, and through containers (dicts,
 lists, sets, tuples) and plain objects' attributes what they hold, not through other
 modules, tensors, classes or functions; random number generators held so (numpy's and
-Python's); and the plain values of its class's attributes and of the globals its
-forward reads (a container among those globals is not walked: libraries keep registries
-there that their own hooks must agree with). `kept` restores all of it as it was, and
+Python's); the plain values of its class's attributes and of the globals its forward
+reads; and where the user wrote that class or forward (not an installed package or the
+standard library, whose registries their own hooks must agree with), the containers,
+objects and generators among those attributes and globals too. `kept` restores all of it as it was, and
 the contents of tensors among the modules' attributes (containers one level down) that
 were written over. `python_state` is all of it but the module's parameters, buffers,
 submodules and hooks, compared before and after each call.
@@ -23,9 +24,11 @@ submodules and hooks, compared before and after each call.
 from __future__ import annotations
 
 import builtins
+import os
 import pickle
 import random
 import sys
+import sysconfig
 import types
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
@@ -100,8 +103,31 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
 
 
 def _roots(modules: Iterable[nn.Module]) -> list[Any]:
-    """What a walk starts from: the modules' own attributes."""
-    return [value for module in modules for name, value in module.__dict__.items() if name not in _OWN]
+    """What a walk starts from: the values among the attributes of the modules' classes
+    and the globals of their forwards that the user wrote, then the modules' own
+    attributes (walked first, so that large globals cannot crowd them out)."""
+    own = [value for module in modules for name, value in module.__dict__.items() if name not in _OWN]
+    return [value for space in _namespaces(modules) if _users(space)
+            for name, value in list(_namespace_items(space)) if not _dunder(name)] + own
+
+
+_LIBRARIES = tuple({os.path.realpath(sysconfig.get_paths()[kind]) + os.sep
+                    for kind in ("stdlib", "platstdlib", "purelib", "platlib")}
+                   | {os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep})
+"""Where installed packages, the standard library and optremat itself live."""
+
+
+def _users(space: Any) -> bool:
+    """Whether a class or module namespace was written outside the installed packages,
+    the standard library and optremat (a script, a notebook, the user's own package): libraries keep
+    registries there that their own hooks must agree with."""
+    name = space.get("__name__") if isinstance(space, dict) else space.__module__
+    path = getattr(sys.modules.get(name), "__file__", None) if name is not None else None
+    return path is None or not os.path.realpath(path).startswith(_LIBRARIES)
+
+
+def _namespace_items(space: Any) -> Iterable[tuple[str, Any]]:
+    return (space if isinstance(space, dict) else vars(space)).items()
 
 
 def _namespaces(modules: Iterable[nn.Module]) -> list[Any]:
@@ -119,8 +145,7 @@ def _namespaces(modules: Iterable[nn.Module]) -> list[Any]:
 
 
 def _plain_items(space: Any) -> dict[str, Any]:
-    items = space if isinstance(space, dict) else vars(space)
-    return {name: value for name, value in list(items.items())
+    return {name: value for name, value in list(_namespace_items(space))
             if isinstance(value, _PLAIN) and not _dunder(name)}
 
 
