@@ -1,9 +1,7 @@
 """Measure the real peak memory of a training step.
 
 On CUDA the allocator's own statistics are exact. On CPU the profiler's memory events
-(every allocation and free the CPU allocator sees, kernel temporaries included) are
-summed in time order; a storage-tracking dispatch mode would miss allocations made
-outside dispatch, such as checkpoint's saved RNG state.
+are summed in time order (`host_memory.host_peak`).
 """
 
 from __future__ import annotations
@@ -13,13 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_leaves
 
+from optremat.tracing.host_memory import host_peak
 from optremat.tracing.inputs import call_of, own_loss
-
-_STEP = "optremat.measured_step"
 
 
 @dataclass(frozen=True)
@@ -84,40 +79,9 @@ def measure_peak(step: Callable[[], Any], resident: Iterable[Any] = (), device: 
         step()
         torch.cuda.synchronize()
         return PeakMemory(before, torch.cuda.max_memory_allocated() - base)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        if setup is not None:
-            setup()
-        with record_function(_STEP):
-            step()
-    return PeakMemory(before, _window_peak(prof.profiler.kineto_results.experimental_event_tree()))
+    return PeakMemory(before, host_peak(step, setup))
 
 
-def _window_peak(roots: list[Any]) -> int:
-    """Most bytes live during the measured step: allocations made while profiling, matched
-    to their frees by address. A free of memory allocated before profiling is ignored (it
-    was never counted), and an allocation at an address still live closes the block that
-    held it, whose free the profiler missed (a free on a thread it does not watch)."""
-    events, start, end = [], 0, 0
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-        elif node.name == _STEP:
-            start, end = node.start_time_ns, node.end_time_ns
-    live: dict[int, int] = {}
-    total = peak = 0
-    for at, ptr, size in sorted(events):
-        total -= live.pop(ptr, 0)
-        if size > 0:
-            live[ptr] = size
-            total += size
-        if at < start:
-            peak = total
-        elif at <= end or not end:
-            peak = max(peak, total)
-    return peak
 
 
 def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,

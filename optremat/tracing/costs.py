@@ -18,7 +18,7 @@ import torch.fx
 from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry
 
-from optremat.tracing.onednn import channels_last_convolution_backward_workspace
+from optremat.tracing.onednn import RNN_SCRATCH, channels_last_convolution_backward_workspace
 
 aten = torch.ops.aten
 
@@ -255,10 +255,13 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     computes the input gradient allocates a scratch buffer of the input's size, its
     forward two per-channel vectors (three in training on a 2-D input); a layer norm's
     backward that computes the weight or bias gradient two vectors of the normalized
-    shape (any dtype; torch 2.13).
+    shape (any dtype; torch 2.13). A oneDNN RNN layer's backward, what it was measured to
+    take (`onednn.size_rnn_workspaces`).
     """
     packet = getattr(node.target, "overloadpacket", None)
     value = lambda k: node.args[k].meta.get("val")  # noqa: E731
+    if RNN_SCRATCH in node.meta:
+        return node.meta[RNN_SCRATCH]
     if packet is aten.convolution_backward:
         channels_last = channels_last_convolution_backward_workspace(node)
         if channels_last is not None:

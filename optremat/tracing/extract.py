@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
 from optremat.tracing import module_state
+from optremat.tracing.onednn import size_rnn_workspaces
 from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
                                     roofline_cost, workspace_bytes)
@@ -179,6 +180,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             raise
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, where())) from error
+    size_rnn_workspaces(gm)
     if not structure["gradients"]:
         raise ExtractionError(f"the step's loss does not depend on any parameter of {type(model).__name__} that "
                               "requires grad: there is no backward to plan; check that loss_fn uses the model's output")

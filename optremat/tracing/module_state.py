@@ -51,6 +51,10 @@ _GENERATORS = tuple(_GENERATOR_STATES)
 _OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
            types.BuiltinFunctionType)
 """Values a walk does not enter: modules (walked on their own), tensors, classes, functions."""
+_REFRESHED: dict[type, tuple[str, ...]] = {nn.RNNBase: ("_flat_weights", "_flat_weight_refs")}
+"""Attributes a module's forward sets again from its parameters, the same on every call:
+an RNN's lists of its weights and of references to them, rebuilt when they were swapped (as
+tracing swaps them)."""
 WALK_LIMIT = 4096
 """The most objects one walk visits: a module holding a large structure is walked so far."""
 _MISSING = object()
@@ -97,16 +101,19 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
     that is not an nn.Module's own, by value where it is plain data, else by identity;
     every container and plain object it reaches by its entries; every generator by its
     state; its class's and its forward's globals' plain values."""
-    own = tuple((name, _entries(value)) for name, value in module.__dict__.items() if name not in _OWN)
-    reached = tuple((id(value), _fingerprint(value)) for value in _reachable(_roots([module])))
+    refreshed = next((names for kind, names in _REFRESHED.items() if isinstance(module, kind)), ())
+    own = tuple((name, _entries(value)) for name, value in module.__dict__.items()
+                if name not in _OWN and name not in refreshed)
+    reached = tuple((id(value), _fingerprint(value)) for value in _reachable(_roots([module], refreshed)))
     return own, reached, tuple(tuple(_plain_items(space).items()) for space in _namespaces([module]))
 
 
-def _roots(modules: Iterable[nn.Module]) -> list[Any]:
+def _roots(modules: Iterable[nn.Module], skipped: Iterable[str] = ()) -> list[Any]:
     """What a walk starts from: the values among the attributes of the modules' classes
     and the globals of their forwards that the user wrote, then the modules' own
     attributes (walked first, so that large globals cannot crowd them out)."""
-    own = [value for module in modules for name, value in module.__dict__.items() if name not in _OWN]
+    own = [value for module in modules for name, value in module.__dict__.items()
+           if name not in _OWN and name not in skipped]
     return [value for space in _namespaces(modules) if _users(space)
             for name, value in list(_namespace_items(space)) if not _dunder(name)] + own
 

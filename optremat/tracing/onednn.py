@@ -2,12 +2,15 @@
 data, as measured with oneDNN 3.12 (torch 2.13) on AVX512: the blocked layouts its kernels
 compute weight gradients in pad channels to the register width, which for a depthwise
 convolution its depthwise kernel cannot take costs 256 times the weight (ConvNeXt's 7x7).
-`costs.workspace_bytes` prices a convolution backward with it where it applies."""
+`costs.workspace_bytes` prices a convolution backward with it where it applies. And what
+its RNN layers hold, which only running them tells (`size_rnn_workspaces`)."""
 
 from __future__ import annotations
 
 import torch
 from torch._prims_common import suggest_memory_format
+
+from optremat.tracing.host_memory import host_peak
 
 
 def channels_last_convolution_backward_workspace(node: torch.fx.Node) -> int | None:
@@ -117,3 +120,54 @@ def _onednn_depthwise_kernel(size_in: list[int], size_out: list[int], kernel: li
             return False
     return (size_in[0] >= kernel[0] + (-padding[0]) % stride[0]
             and (padding[0] <= 1 or padding[0] % stride[0] == 0) and (ends[0] <= 1 or ends[0] % stride[0] == 0))
+
+
+def size_rnn_workspaces(gm: torch.fx.GraphModule) -> None:
+    """Size what each oneDNN RNN layer (`mkldnn_rnn_layer`, an LSTM's or GRU's on a CPU)
+    holds as the kernels do: a trace on fake tensors returns the workspace the forward
+    keeps for the backward empty (3.0 MB for a 64-wide LSTM layer over 48x16 tokens, more
+    than the layer's outputs), and the backward's scratch (1.0 MB there) is no output.
+    oneDNN sizes both from every shape and option of the layer with padding of its own, so
+    each distinct layer runs once on zeros of its shapes, forward then backward (its
+    allocations measured): the workspace and the tensors reading it out of the forward's
+    tuple are resized to match, and each backward's scratch is recorded as its node's
+    `RNN_SCRATCH` for `costs.workspace_bytes`."""
+    measured: dict[str, tuple[torch.Tensor, int]] = {}
+    forward_of: dict[torch.fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.mkldnn_rnn_layer.default:
+            key = repr([_described(a) for a in node.args])
+            if key not in measured:
+                workspace = node.target(*_zeros(node.args))[3]  # under no_grad the kernel keeps none
+                measured[key] = (workspace, 0)
+            readers = [user for user in node.users if user.args[1:] == (3,)]
+            forward_of.update(dict.fromkeys(readers, key))
+            for value in (node.meta["val"][3], *(reader.meta["val"] for reader in readers)):
+                with value.fake_mode:
+                    value.resize_(measured[key][0].numel())
+        elif node.target is torch.ops.aten.mkldnn_rnn_layer_backward.default and node.args[-1] in forward_of:
+            node.meta[RNN_SCRATCH] = _backward_scratch(node, measured[forward_of[node.args[-1]]][0])
+
+
+RNN_SCRATCH = "optremat_rnn_scratch"
+"""The node meta key of a oneDNN RNN backward's measured scratch bytes."""
+
+
+def _described(arg: object) -> object:
+    value = arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def _zeros(args: tuple) -> list:
+    return [torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype)
+            if isinstance(a, torch.fx.Node) and isinstance(a.meta["val"], torch.Tensor) else a for a in args]
+
+
+def _backward_scratch(node: torch.fx.Node, workspace: torch.Tensor) -> int:
+    """Bytes a oneDNN RNN layer's backward allocates beyond its outputs, run once on zeros
+    and `workspace`."""
+    args = _zeros(node.args[:-1]) + [workspace]
+    outputs: list = []
+    peak = host_peak(lambda: outputs.extend(node.target(*args)))
+    distinct = {id(t): t for t in outputs if isinstance(t, torch.Tensor)}
+    return max(peak - sum(t.numel() * t.element_size() for t in distinct.values()), 0)
