@@ -37,7 +37,6 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
 from optremat.tracing import module_state
-from optremat.tracing.onednn import size_rnn_workspaces
 from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
                                     roofline_cost, workspace_bytes)
@@ -45,6 +44,7 @@ from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_plac
 from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
 from optremat.tracing.lm_loss import standing_in
+from optremat.tracing.onednn import size_rnn_workspaces
 from optremat.tracing.repeat import expanded, hooks_kept, repeated_blocks, shortened
 from optremat.tracing.traced import Traced
 
