@@ -550,3 +550,57 @@ def test_a_size_the_data_decides_is_priced_at_its_most_or_refused_with_none():
     assert [int(graph.size[v]) for v in selected] == [32 * 64 * 4]
     with pytest.raises(ExtractionError, match="no upper bound"):
         extract(RepeatedRows(), (x[:4], torch.tensor([1, 2, 3, 4])), lambda out: out)
+
+
+class ChecksItsLabels(nn.Module):
+    """Checks its labels' values in Python before computing its own loss, as transformers'
+    speech models do (`if labels.max() >= vocab_size: raise`), and branches on a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 16)) for _ in range(3)],
+                                  nn.Linear(16, 10))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.max() >= 10:
+            raise ValueError("labels out of range")
+        logits = self.body(x)
+        if (labels == 0).any():
+            logits = logits * 2
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def test_a_tensor_read_as_a_number_reads_the_example_batchs_value():
+    """`if labels.max() >= 10:` failed to trace (a fake tensor has no value); it now reads
+    the value eager computes on the example batch, which also picks the branch taken, and
+    the planned step equals the unplanned one."""
+    torch.manual_seed(0)
+    model, x = ChecksItsLabels(), torch.randn(256, 16)
+    for labels, doubled in ((torch.randint(1, 10, (256,)), False), (torch.zeros(256, dtype=torch.long), True)):
+        graph = extract(model, optremat.Inputs(x, labels), lambda loss: loss)
+        assert ("mul.Tensor" in graph.ops) == doubled
+    plan = optremat.plan(model, optremat.Inputs(x, labels), 0.7, loss_fn=lambda loss: loss, time_limit=5,
+                         deterministic=True)
+    assert plan.regions
+    want = torch.autograd.grad(model(x, labels), list(model.parameters()))
+    optremat.apply(model, plan)
+    for got, grad in zip(torch.autograd.grad(model(x, labels), list(model.parameters())), want):
+        torch.testing.assert_close(got, grad)
+
+
+def test_an_op_whose_output_size_its_values_decide_is_refused_naming_why():
+    """A CTC loss sizes its output from the target lengths' values: refused with that reason,
+    not a request to report the op."""
+    class CTC(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 8)
+
+        def forward(self, x, targets, lengths):
+            log_probs = self.proj(x).log_softmax(-1)
+            inputs = torch.full((x.shape[1],), x.shape[0], dtype=torch.long)
+            return torch.nn.functional.ctc_loss(log_probs, targets, inputs, lengths)
+
+    x, targets, lengths = torch.randn(30, 2, 16), torch.randint(1, 8, (2, 10)), torch.tensor([10, 7])
+    with pytest.raises(ExtractionError, match="output size depends on its inputs' values .a CTC loss"):
+        extract(CTC(), optremat.Inputs(x, targets, lengths), lambda loss: loss)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 DECISIONS = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 """The functions of `transformers.masking_utils` that read a tensor's values (their first
@@ -42,6 +42,27 @@ def eager_mask_decisions(leaves: list[Any]) -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(masking, name, original)
+
+
+class EagerScalarReads(TorchDispatchMode):
+    """While a step is traced on `leaves` (the real values of its placeholders, in order),
+    a tensor read as a Python number (`.item()`, `bool(tensor)`, `if tensor:`) reads the
+    value eager computes on those inputs (`real_value`) where it can: a check on the
+    labels (`labels.max() >= vocab_size`) passes as it does in the step, and a branch on a
+    value takes the example batch's way. Where the value cannot be computed (it depends on
+    a random op, or the model is on the meta device) the read is left to the tracer,
+    which refuses it. Enter it inside the trace, above its modes."""
+
+    def __init__(self, leaves: list[Any]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.ops.aten._local_scalar_dense.default:
+            real = real_value(args[0], self.leaves)
+            if real is not None:
+                return real.item()
+        return func(*args, **(kwargs or {}))
 
 
 def _as_eager(decide: Callable[..., Any], leaves: list[Any]) -> Callable[..., Any]:

@@ -40,7 +40,7 @@ from optremat.tracing import module_state
 from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
                                     roofline_cost, workspace_bytes)
-from optremat.tracing.eager_branches import eager_mask_decisions, writes_in_place
+from optremat.tracing.eager_branches import EagerScalarReads, eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
 from optremat.tracing.lm_loss import standing_in
@@ -151,12 +151,13 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     identity = {name: id(p) for name, p in params.items()}
 
     def step(params: dict, buffers: dict, inputs: Call, grad_outputs: list) -> tuple:
-        out, structure["reassigned"] = _call(model, params, buffers, inputs)
-        if loss_fn is not None:
-            with standing_in({identity[name]: t for name, t in params.items()}):
-                roots, root_grads = [loss_fn(out)], None
-        else:
-            roots, root_grads = _grad_leaves(out), grad_outputs
+        with EagerScalarReads(leaves):
+            out, structure["reassigned"] = _call(model, params, buffers, inputs)
+            if loss_fn is not None:
+                with standing_in({identity[name]: t for name, t in params.items()}):
+                    roots, root_grads = [loss_fn(out)], None
+            else:
+                roots, root_grads = _grad_leaves(out), grad_outputs
         with _phase("backward"), _tag_grad_fns(roots, python):
             seeds = _seeds(roots) if root_grads is None else []
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads or seeds, allow_unused=True)
@@ -165,12 +166,13 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
+    leaves = tree_leaves(args)
     cached: set[tuple[str, int]] = set()
     host_drawing: set[tuple[str, int]] = set()
     stateful: set[tuple[str, int]] = set()
     python: set[int] = set()
     with module_state.kept(model), _tracing(), host_random_kept(), _reentrant_checkpoint_refused(), \
-            _grouped_mm_in_any_float(), eager_mask_decisions(tree_leaves(args)), \
+            _grouped_mm_in_any_float(), eager_mask_decisions(leaves), \
             _module_paths(model, cached, host_drawing, stateful) as where, _python_holds(model) as holds, \
             fx_traceback.preserve_node_meta():
         try:
@@ -903,6 +905,9 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
     if "data-dependent" in text or "_local_scalar_dense" in text or "DataDependent" in type(error).__name__:
         hint = ("the model reads a tensor's value in Python (.item(), .tolist(), `if tensor:`); make that check "
                 "skippable during tracing or move it out of forward")
+    elif "DynamicOutputShape" in type(error).__name__ or "DynamicOutputShape" in type(error.__cause__).__name__:
+        hint = ("the op's output size depends on its inputs' values (a CTC loss's on the target lengths), which no "
+                "trace on fake tensors can size: optremat cannot plan a step that runs it yet")
     else:
         hint = "run the model once eagerly on the same inputs to check it works; if it does, report this op"
     return f"could not trace the training step: {op} failed in {module}: {first_line}. Hint: {hint}."
