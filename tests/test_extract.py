@@ -282,9 +282,10 @@ def test_a_gpu_prices_float32_products_at_their_rate_and_overlaps_launches_with_
     assert _priced(lambda x: x * 2, torch.empty(8))["aten.mul.Tensor"] > DEVICES["cpu"].launch_seconds
 
 
-def test_a_profile_measured_on_this_machine_prices_a_plan():
-    """`measure_profile` times this machine's rates (each positive and finite) and a plan
-    priced over them runs and records the profile's name."""
+def test_a_profile_measured_on_this_machine_prices_a_plan(tmp_path):
+    """`measure_profile` times this machine's rates (each positive and finite); a plan
+    priced over them keeps the profile, through a plan file too, and prices the same
+    regions at another shape over it."""
     profile = optremat.measure_profile("cpu", name="this cpu")
     rates = [getattr(profile, field) for field in ("flops_per_second", "float32_flops_per_second", "bytes_per_second",
                                                    "launch_seconds", "rerun_seconds")]
@@ -292,7 +293,10 @@ def test_a_profile_measured_on_this_machine_prices_a_plan():
     assert min(profile.dispatch_seconds, profile.pack_seconds) >= 0
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
     made = optremat.plan(model, (torch.randn(4096, 64),), 0.95, device=profile, time_limit=5, deterministic=True)
-    assert made.device == "this cpu" and made.predicted_overhead > 0
+    assert made.device == profile and made.predicted_overhead > 0
+    made.save(tmp_path / "plan.json")
+    assert optremat.Plan.load(tmp_path / "plan.json").device == profile
+    assert optremat.reprice(made, model, (torch.randn(2048, 64),)).device == profile
 
 
 def test_ops_indexing_into_a_tensor_move_only_the_elements_they_select():

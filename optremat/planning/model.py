@@ -132,7 +132,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         return replace(found, model_fingerprint=model_fingerprint(model), training=model.training,
                        mutated_buffers=traced.mutated_buffers, loss=loss_note(loss_fn, default.source, chunks),
                        parallel=parallel, solve_seconds=time.perf_counter() - started,
-                       cost_model=cost_model, device=getattr(device_name, "name", device_name))
+                       cost_model=cost_model, device=device_name)
 
     if cache is None:
         return solved()

@@ -78,7 +78,8 @@ class Plan:
     A native plan composed from a chain of identical blocks (`solver` says so) is bounded
     and proven over plans of regions inside those blocks only.
     `loss` says how the loss computed after the model was priced, `cost_model` and `device`
-    what priced its ops (a plan made again at another shape is priced alike). A plan for
+    what priced its ops (a built-in profile's name, or the `DeviceProfile` itself; a plan
+    made again at another shape is priced alike). A plan for
     a data-parallel job (`parallel`) is priced for one rank and its budget is per rank.
     `compared` lists the other planners' plans that competed for this one, priced the same
     way: (name, predicted peak bytes, predicted overhead) each (a compiled plan's rivals
@@ -109,7 +110,7 @@ class Plan:
     compared: tuple[tuple[str, int, float], ...] = ()
     chunking: Chunking | None = None
     cost_model: str = "roofline"
-    device: str = "cpu"
+    device: Any = "cpu"
     cached: bool = field(default=False, compare=False)
 
     @property
@@ -230,7 +231,7 @@ class Plan:
             "training": self.training,
             "runtime": self.runtime,
             "cost_model": self.cost_model,
-            "device": self.device,
+            "device": self.device if isinstance(self.device, str) else asdict(self.device),
             "shared": [list(pair) for pair in self.shared],
             "compared": [list(c) for c in self.compared],
             "chunking": None if self.chunking is None else self.chunking.to_json(),
@@ -254,7 +255,7 @@ class Plan:
                    shared=tuple((k, p) for k, p in data["shared"]),
                    mutated_buffers=tuple(data["mutated_buffers"]), parallel=_parallel_of(data["parallel"]),
                    compared=tuple((n, p, float(o)) for n, p, o in data["compared"]),
-                   chunking=_chunking_of(data.get("chunking")),
+                   chunking=_chunking_of(data.get("chunking")), device=_device_of(data["device"]),
                    **{k: data[k] for k in _SCALARS})
 
     def save(self, path: str | Path) -> None:
@@ -301,8 +302,20 @@ def write_atomically(path: Path, text: str) -> None:
 
 _SCALARS = ("model_fingerprint", "loss", "budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes",
             "predicted_overhead", "solver", "status", "lower_bound", "solve_seconds", "solver_overhead",
-            "training", "runtime", "cost_model", "device")
+            "training", "runtime", "cost_model")
 """The fields a plan file holds as they are: text, numbers and flags."""
+
+
+def _device_of(data: str | dict) -> Any:
+    """The device profile a plan was priced on: a built-in's name, or a `DeviceProfile`
+    (one `measure_profile` measured) from its fields."""
+    if isinstance(data, str):
+        return data
+    from optremat.tracing.costs import DeviceProfile
+    try:
+        return DeviceProfile(**data)
+    except TypeError as error:
+        raise PlanFileError(f"device: not a device profile's fields ({error}); {_MALFORMED}") from None
 
 
 def _is_bool(value: Any) -> bool:
@@ -359,7 +372,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "training": (_is_bool, "true or false"),
     "runtime": (lambda v: _is_text(v) and v in RUNTIMES, f"one of {', '.join(RUNTIMES)}"),
     "cost_model": (_is_text, "text"),
-    "device": (_is_text, "text"),
+    "device": (lambda v: _is_text(v) or isinstance(v, dict), "a profile's name or its rates"),
     "shared": (_list_of(_row(_is_count, _is_count)), "a list of [event, input] pairs"),
     "compared": (_list_of(_row(_is_text, _is_count, _is_number)), "a list of [planner, peak bytes, overhead]"),
     "parallel": (lambda v: v is None or isinstance(v, dict), "null or an object"),
