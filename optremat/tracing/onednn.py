@@ -132,21 +132,24 @@ def size_rnn_workspaces(gm: torch.fx.GraphModule) -> None:
     allocations measured): the workspace and the tensors reading it out of the forward's
     tuple are resized to match, and each backward's scratch is recorded as its node's
     `RNN_SCRATCH` for `costs.workspace_bytes`."""
-    measured: dict[str, tuple[torch.Tensor, int]] = {}
+    workspaces: dict[str, torch.Tensor] = {}
+    scratch: dict[str, int] = {}
     forward_of: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.mkldnn_rnn_layer.default:
             key = repr([_described(a) for a in node.args])
-            if key not in measured:
-                workspace = node.target(*_zeros(node.args))[3]  # under no_grad the kernel keeps none
-                measured[key] = (workspace, 0)
+            if key not in workspaces:
+                workspaces[key] = node.target(*_zeros(node.args))[3]  # under no_grad the kernel keeps none
             readers = [user for user in node.users if user.args[1:] == (3,)]
             forward_of.update(dict.fromkeys(readers, key))
             for value in (node.meta["val"][3], *(reader.meta["val"] for reader in readers)):
                 with value.fake_mode:
-                    value.resize_(measured[key][0].numel())
+                    value.resize_(workspaces[key].numel())
         elif node.target is torch.ops.aten.mkldnn_rnn_layer_backward.default and node.args[-1] in forward_of:
-            node.meta[RNN_SCRATCH] = _backward_scratch(node, measured[forward_of[node.args[-1]]][0])
+            key = forward_of[node.args[-1]]
+            if key not in scratch:
+                scratch[key] = _backward_scratch(node, workspaces[key])
+            node.meta[RNN_SCRATCH] = scratch[key]
 
 
 RNN_SCRATCH = "optremat_rnn_scratch"
