@@ -5,14 +5,18 @@ anything is installed, and a planned model saved whole loads and trains the same
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
+import importlib
 import inspect
 import io
 import pickle
 import random
 import warnings
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -533,6 +537,89 @@ def test_state_a_call_reaches_outside_its_attributes_is_kept_by_planning_and_nev
         want = step(reference, inputs)
         reset()
         assert_same(step(model, inputs), want)
+
+
+_COUNTS: collections.defaultdict = collections.defaultdict(int)
+_RECORDED: list = []
+
+
+class _RecordingCache(collections.OrderedDict):
+    """A cache that records every key written to it."""
+
+    def __setitem__(self, key, value) -> None:
+        _RECORDED.append(key)
+        super().__setitem__(key, value)
+
+
+class _Slotted:
+    __slots__ = ("cache",)
+
+    def __init__(self) -> None:
+        self.cache: dict = {}
+
+
+_RECORDING = _RecordingCache()
+_SLOTTED = _Slotted()
+_MOCKED = mock.Mock(spec=dict)
+_CROWD = [{"text": f"sample {i}", "label": i % 10} for i in range(10_000)]
+"""A dataset held among the globals, after the caches: a walk that visited it first
+missed them."""
+
+
+@functools.lru_cache(maxsize=None)
+def _frequencies(width: int) -> torch.Tensor:
+    return torch.cos(torch.arange(width, dtype=torch.float64))
+
+
+class UsesGlobals(nn.Module):
+    """Caches tensors in the state of code the user wrote outside the module: a helper
+    file's dict (`helper`), an lru_cache, a dict held by a slotted object, an OrderedDict
+    subclass recording its writes; and counts its calls in a global defaultdict."""
+
+    helper: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _COUNTS["calls"] += 1
+        key = tuple(x.shape)
+        if key not in _RECORDING:
+            _RECORDING[key] = torch.ones(64, dtype=x.dtype)
+        table = _SLOTTED.cache.setdefault(key, torch.ones(64, dtype=x.dtype))
+        scale = UsesGlobals.helper.table(x.shape[0]) * _frequencies(64) * table * _RECORDING[key]
+        return torch.tanh(self.lin(x)) * (1 + scale)
+
+
+def test_state_of_code_the_user_wrote_outside_the_module_is_kept_by_planning(tmp_path, monkeypatch) -> None:
+    """Planning left fake tensors in a helper file's cache, an lru_cache and a slotted
+    object's dict (every later loss fake), checkpointed the calls counting in a global
+    defaultdict when a large global list crowded the walk out, wrote an OrderedDict
+    subclass's entries again while putting it back, and crashed on a mock among the
+    globals. Now all of it is as it was, and the counting calls run unplanned."""
+    (tmp_path / "rotary_helper.py").write_text(
+        "import torch\nTABLES = {}\n"
+        "def table(n):\n"
+        "    return TABLES.setdefault(n, torch.linspace(0, 1, 64, dtype=torch.float64))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    UsesGlobals.helper = importlib.import_module("rotary_helper")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (UsesGlobals(), mlp())]).double()
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+    reference = copy.deepcopy(model)
+    _frequencies.cache_clear()
+    plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert not (UsesGlobals.helper.TABLES or _SLOTTED.cache or _RECORDING or _RECORDED or _COUNTS)
+    assert _frequencies.cache_info().currsize == 0 and _MOCKED is not None
+    assert plan.regions and all(int(r.path.split(".")[0]) % 2 for r in plan.regions)
+    optremat.apply(model, plan)
+    for _ in range(2):
+        _COUNTS.clear()
+        want = step(reference, inputs)
+        _COUNTS.clear()
+        assert_same(step(model, inputs), want)
+        assert _COUNTS["calls"] == 3
 
 
 def test_a_call_writing_a_tensor_attribute_in_place_is_never_checkpointed() -> None:

@@ -24,12 +24,15 @@ submodules and hooks, compared before and after each call.
 from __future__ import annotations
 
 import builtins
+import functools
+import itertools
 import os
 import pickle
 import random
 import sys
 import sysconfig
 import types
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
@@ -56,7 +59,11 @@ _REFRESHED: dict[type, tuple[str, ...]] = {nn.RNNBase: ("_flat_weights", "_flat_
 an RNN's lists of its weights and of references to them, rebuilt when they were swapped (as
 tracing swaps them)."""
 WALK_LIMIT = 4096
-"""The most objects one walk visits: a module holding a large structure is walked so far."""
+"""The most values one walk visits: a module holding a large structure is walked so far."""
+SHARED_LIMIT = 512
+"""The most values one walk visits from the user's namespaces, where a training script
+keeps its datasets: their caches sit near the top, and each module call is walked twice."""
+_LRU_CACHE = functools._lru_cache_wrapper
 _MISSING = object()
 
 
@@ -67,11 +74,12 @@ def kept(model: nn.Module) -> Iterator[None]:
     so does every object, generator, class attribute and global they reach."""
     modules = list(model.modules())
     saved = [(module, dict(module.__dict__), {name: _contents(value) for name, value in module.__dict__.items()
-                                              if isinstance(value, (dict, list, set))})
+                                              if _kind(value) in (dict, list, set)})
              for module in modules]
-    reached = _reachable(_roots(modules))
-    contents = [(value, _snapshot(value)) for value in reached]
+    own, shared = _roots(modules)
+    contents = [(value, _snapshot(value)) for value in _reachable(own, shared)]
     plain = [(space, dict(_plain_items(space))) for space in _namespaces(modules)]
+    caches = [(cache, cache.cache_info().currsize) for cache in shared if isinstance(cache, _LRU_CACHE)]
     values = {id(t): (t, t._version, t.detach().to("cpu", copy=True)) for module in modules
               for t in _tensors(module)}
     try:
@@ -85,6 +93,9 @@ def kept(model: nn.Module) -> Iterator[None]:
         for value, content in contents:
             if _changed(value, content):
                 _restore(value, content)
+        for cache, size in caches:  # a pure function's cache: what the trace added is dropped with the rest
+            if cache.cache_info().currsize != size:
+                cache.cache_clear()
         for space, items in plain:
             now = _plain_items(space)
             for name, value in items.items():
@@ -104,18 +115,18 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
     refreshed = next((names for kind, names in _REFRESHED.items() if isinstance(module, kind)), ())
     own = tuple((name, _entries(value)) for name, value in module.__dict__.items()
                 if name not in _OWN and name not in refreshed)
-    reached = tuple((id(value), _fingerprint(value)) for value in _reachable(_roots([module], refreshed)))
+    reached = tuple((id(value), _fingerprint(value)) for value in _reachable(*_roots([module], refreshed)))
     return own, reached, tuple(tuple(_plain_items(space).items()) for space in _namespaces([module]))
 
 
-def _roots(modules: Iterable[nn.Module], skipped: Iterable[str] = ()) -> list[Any]:
-    """What a walk starts from: the values among the attributes of the modules' classes
-    and the globals of their forwards that the user wrote, then the modules' own
-    attributes (walked first, so that large globals cannot crowd them out)."""
+def _roots(modules: Iterable[nn.Module], skipped: Iterable[str] = ()) -> tuple[list[Any], list[Any]]:
+    """What a walk starts from: the modules' own attributes, and the values among the
+    attributes of their classes and in the namespaces their forwards read that the user
+    wrote (`_namespaces`)."""
     own = [value for module in modules for name, value in module.__dict__.items()
            if name not in _OWN and name not in skipped]
-    return [value for space in _namespaces(modules) if _users(space)
-            for name, value in list(_namespace_items(space)) if not _dunder(name)] + own
+    return own, [value for space in _namespaces(modules) if _users(space)
+                 for name, value in list(_namespace_items(space)) if not _dunder(name)]
 
 
 _LIBRARIES = tuple({os.path.realpath(sysconfig.get_paths()[kind]) + os.sep
@@ -130,7 +141,9 @@ def _users(space: Any) -> bool:
     registries there that their own hooks must agree with."""
     name = space.get("__name__") if isinstance(space, dict) else space.__module__
     path = getattr(sys.modules.get(name), "__file__", None) if name is not None else None
-    return path is None or not os.path.realpath(path).startswith(_LIBRARIES)
+    if path is None:  # a notebook's or an interactive session's, not a builtin module's
+        return name == "__main__"
+    return not os.path.realpath(path).startswith(_LIBRARIES)
 
 
 def _namespace_items(space: Any) -> Iterable[tuple[str, Any]]:
@@ -138,17 +151,29 @@ def _namespace_items(space: Any) -> Iterable[tuple[str, Any]]:
 
 
 def _namespaces(modules: Iterable[nn.Module]) -> list[Any]:
-    """The classes of `modules` below nn.Module and the globals of their forwards, once each."""
-    found: dict[int, Any] = {}
+    """The classes of `modules` below nn.Module and the globals of their forwards, and for
+    those the user wrote, the globals of the user's own modules and functions they hold (a
+    helper file of rotary tables, `from rope import table`), once each."""
+    spaces: dict[int, Any] = {}
     for module in modules:
-        for cls in type(module).__mro__:
-            if cls is nn.Module:
-                break
-            found.setdefault(id(cls), cls)
-        space = getattr(getattr(type(module), "forward", None), "__globals__", None)
-        if space is not None:
-            found.setdefault(id(space), space)
+        mro = type(module).__mro__
+        for space in (*mro[:mro.index(nn.Module)], getattr(getattr(type(module), "forward", None), "__globals__", None)):
+            if space is not None:
+                spaces.setdefault(id(space), space)
+    found = dict(spaces)
+    for space in spaces.values():
+        for _, value in list(_namespace_items(space)) if _users(space) else ():
+            inner = _globals_of(value)
+            if inner is not None and _users(inner):
+                found.setdefault(id(inner), inner)
     return list(found.values())
+
+
+def _globals_of(value: Any) -> dict[str, Any] | None:
+    """The namespace of a module, or the globals of a plain function; None for anything else."""
+    if issubclass(type(value), types.ModuleType):
+        return vars(value)
+    return value.__globals__ if type(value) is types.FunctionType else None
 
 
 def _plain_items(space: Any) -> dict[str, Any]:
@@ -167,31 +192,84 @@ def _set(space: Any, name: str, value: Any) -> None:
         setattr(space, name, value)
 
 
-def _reachable(roots: Iterable[Any]) -> list[Any]:
-    """The containers, plain objects and generators reachable from `roots`, at most
-    WALK_LIMIT of them."""
+def _reachable(own: Iterable[Any], shared: Iterable[Any] = ()) -> list[Any]:
+    """The containers, objects and generators reachable from `own` (a module's attributes:
+    any object's attributes entered) and from `shared` (values of the user's namespaces:
+    only objects of classes the user wrote entered, not a logger's or a library's), breadth
+    first, `own` first, queueing at most WALK_LIMIT values from `own` and SHARED_LIMIT
+    from `shared`."""
     namespaces, seen = _namespace_ids(), set()
     found: list[Any] = []
-    todo = list(roots)
-    while todo and len(found) < WALK_LIMIT:
-        value = todo.pop()
+    limits = {True: WALK_LIMIT, False: SHARED_LIMIT}
+    first = [(value, True) for value in own][:WALK_LIMIT]
+    then = [(value, False) for value in shared][:SHARED_LIMIT]
+    todo, queued = deque(first + then), {True: len(first), False: len(then)}
+    while todo:
+        value, whole = todo.popleft()
         if id(value) in seen or id(value) in namespaces or isinstance(value, _PLAIN + _OPAQUE):
             continue
         seen.add(id(value))
-        if isinstance(value, _GENERATORS):
+        kind, room = _kind(value), limits[whole] - queued[whole]
+        if issubclass(type(value), _GENERATORS):
             found.append(value)
-        elif isinstance(value, dict):
+            continue
+        if kind is dict:
+            inside = [item for pair in itertools.islice(dict.items(value), room) for item in pair]
+        elif kind is not None:
+            inside = list(itertools.islice(kind.__iter__(value), room))
+        elif whole or _users_class(type(value)):
+            attributes = _attributes(value)
+            if attributes is None:
+                continue
+            inside = list(itertools.islice(attributes.values(), room))
+        else:
+            continue
+        if kind is not tuple:
             found.append(value)
-            todo += [item for pair in _items(value) for item in pair]
-        elif isinstance(value, (list, set)):
-            found.append(value)
-            todo += _members(value)
-        elif isinstance(value, tuple):
-            todo += _members(value)
-        elif isinstance(getattr(value, "__dict__", None), dict):
-            found.append(value)
-            todo += list(vars(value).values())
+        todo.extend((item, whole) for item in inside)
+        queued[whole] += len(inside)
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def _users_class(cls: type) -> bool:
+    return _users(cls)
+
+
+def _kind(value: Any) -> type | None:
+    """The builtin container `value`'s type derives from (a mock claiming to be a dict
+    through `isinstance` is none)."""
+    return next((base for base in (dict, list, set, tuple) if issubclass(type(value), base)), None)
+
+
+def _attributes(value: Any) -> dict[str, Any] | None:
+    """An object's attributes: its own `__dict__` (the live one), or its slots' values;
+    None where it has neither, read without running its own attribute lookup."""
+    space = _live_dict(value)
+    if space is not None:
+        return space
+    slots = [name for cls in type(value).__mro__ for name in _slot_names(cls)]
+    values = {}
+    for name in slots:
+        try:
+            values[name] = object.__getattribute__(value, name)
+        except AttributeError:  # a slot never set
+            continue
+    return values or None
+
+
+def _live_dict(value: Any) -> dict[str, Any] | None:
+    try:
+        space = object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return None
+    return space if isinstance(space, dict) else None
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    slots = cls.__dict__.get("__slots__", ())
+    return tuple(name for name in ((slots,) if isinstance(slots, str) else slots)
+                 if name not in ("__dict__", "__weakref__"))
 
 
 _NAMESPACES: tuple[int, set[int]] = (-1, set())
@@ -209,22 +287,22 @@ def _namespace_ids() -> set[int]:
 
 def _generator_state(value: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], None]] | None:
     """How to read and set `value`'s state where it is a generator, else None."""
-    return next((state for kind, state in _GENERATOR_STATES.items() if isinstance(value, kind)), None)
+    return next((state for kind, state in _GENERATOR_STATES.items() if issubclass(type(value), kind)), None)
 
 
 def _snapshot(value: Any) -> Any:
     state = _generator_state(value)
     if state is not None:
         return state[0](value)
-    if isinstance(value, (dict, list, set)):
+    if _kind(value) in (dict, list, set):
         return _contents(value)
-    return dict(vars(value))
+    return dict(_attributes(value) or {})
 
 
 def _changed(value: Any, content: Any) -> bool:
     """Whether `value` holds other than its snapshot `content`, entry by entry by identity."""
     now = _snapshot(value)
-    if isinstance(value, _GENERATORS):
+    if _generator_state(value) is not None:
         return pickle.dumps(now) != pickle.dumps(content)
     ids = lambda c: [(id(k), id(v)) for k, v in c.items()] if isinstance(c, dict) else [id(v) for v in c]  # noqa: E731
     return ids(now) != ids(content)
@@ -234,19 +312,22 @@ def _restore(value: Any, content: Any) -> None:
     state = _generator_state(value)
     if state is not None:
         state[1](value, content)
-    elif isinstance(value, (dict, list, set)):
+    elif _kind(value) in (dict, list, set):
         _refill(value, content)
+    elif (space := _live_dict(value)) is not None:
+        space.clear()
+        space.update(content)
     else:
-        vars(value).clear()
-        vars(value).update(content)
+        for name, item in content.items():
+            object.__setattr__(value, name, item)
 
 
 def _fingerprint(value: Any) -> Any:
-    if isinstance(value, _GENERATORS):
+    if _generator_state(value) is not None:
         return pickle.dumps(_snapshot(value))
-    if isinstance(value, (dict, list, set)):
+    if _kind(value) in (dict, list, set):
         return _entries(value)
-    return ("object", tuple((name, _identity(v)) for name, v in vars(value).items()))
+    return ("object", tuple((name, _identity(v)) for name, v in (_attributes(value) or {}).items()))
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -258,8 +339,8 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     for name, value in module.__dict__.items():
         if name in _OWN:
             continue
-        inside = ([v for _, v in _items(value)] if isinstance(value, dict)
-                  else _members(value) if isinstance(value, (list, set, tuple)) else ())
+        kind = _kind(value)
+        inside = [v for _, v in _items(value)] if kind is dict else _members(value) if kind is not None else ()
         found += [t for t in (value, *inside) if isinstance(t, torch.Tensor) and not t.is_meta and not t.is_inference()]
     return found
 
@@ -268,16 +349,33 @@ def _identity(value: Any) -> Any:
     return value if isinstance(value, _PLAIN) else ("id", id(value))
 
 
+_ENDS = 64
+"""Entries at each end by which a container larger than WALK_LIMIT is compared, with its length."""
+
+
 def _entries(value: Any) -> Any:
-    if isinstance(value, set):
-        return ("set", id(value), frozenset(_identity(v) for v in _members(value)))
-    if isinstance(value, dict):
-        return ("dict", id(value), tuple((_identity(k), _identity(v)) for k, v in _items(value)))
-    if isinstance(value, list):
-        return ("list", id(value), tuple(_identity(v) for v in _members(value)))
-    if isinstance(value, tuple):  # a shape set again as the same tuple changes nothing
+    """A container by its entries (a large one by its length and the entries at its ends),
+    anything else by `_identity`."""
+    kind = _kind(value)
+    if kind is None:
+        return _identity(value)
+    if kind is tuple:  # a shape set again as the same tuple changes nothing
         return ("tuple", tuple(_identity(v) for v in _members(value)))
-    return _identity(value)
+    size = kind.__len__(value)
+    entries = (_items(value) if kind is dict else _members(value)) if size <= WALK_LIMIT else _ends(value, kind)
+    if kind is set:
+        return ("set", id(value), size, frozenset(_identity(v) for v in entries))
+    if kind is dict:
+        return ("dict", id(value), size, tuple((_identity(k), _identity(v)) for k, v in entries))
+    return ("list", id(value), size, tuple(_identity(v) for v in entries))
+
+
+def _ends(value: Any, kind: type) -> list[Any]:
+    if kind is dict:
+        return list(itertools.islice(dict.items(value), _ENDS)) + list(itertools.islice(reversed(dict.items(value)), _ENDS))
+    if kind is list:
+        return list.__getitem__(value, slice(0, _ENDS)) + list.__getitem__(value, slice(-_ENDS, None))
+    return list(itertools.islice(set.__iter__(value), _ENDS))
 
 
 def _items(container: dict) -> list[tuple[Any, Any]]:
@@ -287,17 +385,27 @@ def _items(container: dict) -> list[tuple[Any, Any]]:
 
 
 def _members(container: list | set | tuple) -> list[Any]:
-    base = list if isinstance(container, list) else set if isinstance(container, set) else tuple
-    return list(base.__iter__(container))
+    return list(_kind(container).__iter__(container))
 
 
 def _contents(container: dict | list | set) -> Any:
-    return dict(_items(container)) if isinstance(container, dict) else _members(container)
+    return dict(_items(container)) if _kind(container) is dict else _members(container)
 
 
 def _refill(container: dict | list | set, content: Any) -> None:
-    if isinstance(container, list):
-        container[:] = content
+    """Put `content` back through the methods of the container's builtin type: a
+    subclass's own `__setitem__` (a cache recording its writes) does not run again, and an
+    OrderedDict keeps its order (and so its hooks)."""
+    kind = _kind(container)
+    if kind is list:
+        list.__setitem__(container, slice(None), content)
+    elif kind is set:
+        set.clear(container)
+        set.update(container, content)
+    elif issubclass(type(container), OrderedDict):
+        OrderedDict.clear(container)
+        for key, item in content.items():
+            OrderedDict.__setitem__(container, key, item)
     else:
-        container.clear()
-        container.update(content)
+        dict.clear(container)
+        dict.update(container, content)
