@@ -581,7 +581,8 @@ def test_a_tensor_read_as_a_number_reads_the_example_batchs_value():
     torch.manual_seed(0)
     model, x = ChecksItsLabels(), torch.randn(256, 16)
     for labels, doubled in ((torch.randint(1, 10, (256,)), False), (torch.zeros(256, dtype=torch.long), True)):
-        graph = extract(model, optremat.Inputs(x, labels), lambda loss: loss)
+        with pytest.warns(UserWarning, match=r"reads tensor values as numbers \(in ChecksItsLabels.forward\)"):
+            graph = extract(model, optremat.Inputs(x, labels), lambda loss: loss)
         assert ("mul.Tensor" in graph.ops) == doubled
     plan = optremat.plan(model, optremat.Inputs(x, labels), 0.7, loss_fn=lambda loss: loss, time_limit=5,
                          deterministic=True)
@@ -590,6 +591,49 @@ def test_a_tensor_read_as_a_number_reads_the_example_batchs_value():
     optremat.apply(model, plan)
     for got, grad in zip(torch.autograd.grad(model(x, labels), list(model.parameters())), want):
         torch.testing.assert_close(got, grad)
+
+
+class BranchesOnItsInput(nn.Module):
+    """A block that masks its input where a mask marks any row, and one that clamps what a
+    parameter made: branches on values, one from the inputs, one from a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if mask.any():
+            x = x.masked_fill(mask[:, None], 0.0)
+        h = self.up(x)
+        if h.abs().max() > 1e3:
+            h = h.clamp(-1e3, 1e3)
+        return x + self.down(torch.tanh(h))
+
+
+class Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in range(3))
+        self.branching = BranchesOnItsInput()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for block in self.plain:
+            x = x + block(x)
+        return self.branching(x, mask)
+
+
+def test_a_call_branching_on_a_value_is_never_checkpointed():
+    """A call that read a value its example batch decided (here one computed from a
+    parameter too, which failed to trace) takes another branch on another batch: a rerun
+    of it could run other ops than its forward did. It runs unplanned; the others are
+    planned."""
+    torch.manual_seed(0)
+    model, x = Branching(), torch.randn(1024, 64)
+    inputs = optremat.Inputs(x, torch.zeros(1024, dtype=torch.bool))
+    with pytest.warns(UserWarning, match=r"reads tensor values as numbers \(in branching\)"):
+        plan = optremat.plan(model, inputs, 0.7, loss_fn=lambda y: y.square().mean(), time_limit=5,
+                             deterministic=True)
+    assert plan.regions and all(r.path.startswith("plain.") for r in plan.regions)
 
 
 def test_an_op_whose_output_size_its_values_decide_is_refused_naming_why():

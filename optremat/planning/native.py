@@ -195,7 +195,7 @@ def _never_checkpointed(rmap: RegionMap) -> str:
     more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
     return (f"no plan checkpoints {named}{more}: each is handed a key/value cache, draws from a generator "
             "checkpoint does not restore, or changes its module's Python state or a tensor attribute, which a "
-            "rerun would do again")
+            "rerun would do again, or reads a tensor's value as a number")
 
 
 def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, solver: str, time_limit: float,

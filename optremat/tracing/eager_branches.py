@@ -51,16 +51,18 @@ class EagerScalarReads(TorchDispatchMode):
     labels (`labels.max() >= vocab_size`) passes as it does in the step, and a branch on a
     value takes the example batch's way. Where the value cannot be computed (it depends on
     a random op, or the model is on the meta device) the read is left to the tracer,
-    which refuses it. Enter it inside the trace, above its modes."""
+    which refuses it. `read()` is called at each read answered. Enter it inside the
+    trace, above its modes."""
 
-    def __init__(self, leaves: list[Any]) -> None:
+    def __init__(self, leaves: list[Any], read: Callable[[], None]) -> None:
         super().__init__()
-        self.leaves = leaves
+        self.leaves, self.read = leaves, read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func is torch.ops.aten._local_scalar_dense.default:
             real = real_value(args[0], self.leaves)
             if real is not None:
+                self.read()
                 return real.item()
         return func(*args, **(kwargs or {}))
 
@@ -100,7 +102,7 @@ def real_value(tensor: torch.Tensor, leaves: list[Any]) -> torch.Tensor | None:
     values = dict(zip(placeholders, leaves, strict=True))
     values.update((node, getattr(mode.tracer.root, node.target)) for node in needed if node.op == "get_attr")
     given = [v for n, v in values.items() if n in needed and isinstance(v, torch.Tensor)]
-    if any(type(v) is not torch.Tensor or v.is_meta for v in given):
+    if any(type(v) not in (torch.Tensor, torch.nn.Parameter) or v.is_meta for v in given):
         return None
     with _disable_current_modes(), torch.no_grad():
         for node in target.graph.nodes:

@@ -18,6 +18,7 @@ import random
 import re
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
@@ -150,8 +151,12 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     structure: dict[str, Any] = {}
     identity = {name: id(p) for name, p in params.items()}
 
+    def read() -> None:  # a call branching on a value its example batch decided is not checkpointed
+        reading.update(stack[1:])
+        places.add(stack[-1][0] or f"{type(model).__name__}.forward")
+
     def step(params: dict, buffers: dict, inputs: Call, grad_outputs: list) -> tuple:
-        with EagerScalarReads(leaves):
+        with EagerScalarReads(leaves, read):
             out, structure["reassigned"] = _call(model, params, buffers, inputs)
             if loss_fn is not None:
                 with standing_in({identity[name]: t for name, t in params.items()}):
@@ -170,10 +175,12 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     cached: set[tuple[str, int]] = set()
     host_drawing: set[tuple[str, int]] = set()
     stateful: set[tuple[str, int]] = set()
+    reading: set[tuple[str, int]] = set()
+    places: set[str] = set()
     python: set[int] = set()
     with module_state.kept(model), _tracing(), host_random_kept(), _reentrant_checkpoint_refused(), \
             _grouped_mm_in_any_float(), eager_mask_decisions(leaves), \
-            _module_paths(model, cached, host_drawing, stateful) as where, _python_holds(model) as holds, \
+            _module_paths(model, cached, host_drawing, stateful) as stack, _python_holds(model) as holds, \
             fx_traceback.preserve_node_meta():
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
@@ -181,8 +188,14 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         except ExtractionError:
             raise
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
-            raise ExtractionError(_explain_failure(model, error, where())) from error
+            raise ExtractionError(_explain_failure(model, error, stack[-1][0])) from error
     size_rnn_workspaces(gm)
+    if places:
+        warnings.warn(f"optremat: the step reads tensor values as numbers (in {', '.join(sorted(places))}), so its "
+                      "plan is priced for the example batch's values and the branches and sizes they choose; a "
+                      "batch whose values choose others runs another step than the one planned (the calls reading "
+                      "them are not checkpointed)", stacklevel=3)
+    stateful.update(reading)
     if not structure["gradients"]:
         raise ExtractionError(f"the step's loss does not depend on any parameter of {type(model).__name__} that "
                               "requires grad: there is no backward to plan; check that loss_fn uses the model's output")
@@ -517,9 +530,10 @@ def _grad_of(gm: torch.fx.GraphModule, graph: Graph) -> np.ndarray:
 
 @contextmanager
 def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[tuple[str, int]],
-                  stateful: set[tuple[str, int]]) -> Iterator[Callable[[], str]]:
+                  stateful: set[tuple[str, int]]) -> Iterator[list[tuple[str, int]]]:
     """Tag traced nodes with the path of the module running them and the stack of module
-    calls (path, call number) around them; add to `cached` each call handed a key/value
+    calls (path, call number) around them (yielded, the model's own call first, as it
+    stands); add to `cached` each call handed a key/value
     cache (`kv_cache`), to `drawing` each call that draws from numpy's or Python's
     random numbers (their state changed while it ran), which checkpoint does not restore,
     and to `stateful` each call that changes its module's Python state
@@ -556,7 +570,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
             handles.append(module.register_forward_pre_hook(enter(path), with_kwargs=True))
             handles.append(module.register_forward_hook(leave))
     try:
-        yield lambda: stack[-1][0]
+        yield stack
     finally:
         for handle in handles:
             handle.remove()
