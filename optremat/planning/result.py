@@ -314,7 +314,7 @@ def _device_of(data: str | dict) -> Any:
     from optremat.tracing.costs import DeviceProfile
     try:
         return DeviceProfile(**data)
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         raise PlanFileError(f"device: not a device profile's fields ({error}); {_MALFORMED}") from None
 
 

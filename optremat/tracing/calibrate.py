@@ -25,7 +25,7 @@ _RERUN_LENGTHS = (1, 9)
 tensor are the line through the two."""
 
 
-def measure_profile(device: str | torch.device = "cuda", name: str | None = None) -> DeviceProfile:
+def measure_profile(device: str | torch.device | None = None, name: str | None = None) -> DeviceProfile:
     """A `DeviceProfile` of `device` measured on it: the product rates in bfloat16 (or
     float16 where bfloat16 has no fast kernel) and float32 as PyTorch runs them now (its
     TF32 settings included), the copy bandwidth, the time one tiny op takes (on a GPU the
@@ -33,8 +33,18 @@ def measure_profile(device: str | torch.device = "cuda", name: str | None = None
     Python dispatch mode adds per op, and what `torch.utils.checkpoint` adds per call and
     per saved tensor. Pass it as `device=` to `plan`, `compile_backend` or `extract`;
     `name` names it (the device's name by default). What no workload shows (the host
-    allocator's mapped pages, the RNG state's bytes) is the CPU's or the GPUs' built-in."""
-    device = torch.device(device)
+    allocator's mapped pages, the RNG state's bytes) is the CPU's or the GPUs' built-in.
+    `device` is a CUDA device or the CPU (None: the current CUDA device where there is
+    one, else the CPU); anything else is a ValueError."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"measure_profile: {device!r} is no device ({error})") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"measure_profile times a CUDA device or the CPU, not {str(device)!r}"
+                         + (" (no CUDA device here)" if device.type == "cuda" else ""))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cuda = device.type == "cuda"

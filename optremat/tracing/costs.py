@@ -7,6 +7,7 @@ step on real tensors and measures each op.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -62,6 +63,20 @@ class DeviceProfile:
     float32_flops_per_second: float | None = None
     overlaps_launch: bool = False
 
+    def __post_init__(self) -> None:
+        rates = {"flops_per_second": self.flops_per_second, "bytes_per_second": self.bytes_per_second,
+                 "mapped_bytes_per_second": self.mapped_bytes_per_second,
+                 **({} if self.float32_flops_per_second is None
+                    else {"float32_flops_per_second": self.float32_flops_per_second})}
+        seconds = {"launch_seconds": self.launch_seconds, "dispatch_seconds": self.dispatch_seconds,
+                   "rerun_seconds": self.rerun_seconds, "pack_seconds": self.pack_seconds}
+        for name, value in rates.items():
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"DeviceProfile {self.name!r}: {name} must be a finite number > 0, not {value!r}")
+        for name, value in seconds.items():
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"DeviceProfile {self.name!r}: {name} must be a finite number >= 0, not {value!r}")
+
     def flop_rate(self, args: Any) -> float:
         """The product rate of an op on `args`: the float32 one where a floating tensor
         among them is float32 or float64."""
@@ -103,12 +118,16 @@ _SAME_FLOPS_AS = {
 }
 
 
-def device_profile(name: str | DeviceProfile) -> DeviceProfile:
-    """Look up a device profile by name (cpu, a100, h100), or pass one through."""
+def device_profile(name: str | DeviceProfile | torch.device) -> DeviceProfile:
+    """Look up a device profile by name (cpu, a100, h100, h200), or the one pricing ops
+    on a `torch.device`, or pass one through."""
     if isinstance(name, DeviceProfile):
         return name
+    if isinstance(name, torch.device):
+        return DEVICES[profile_for(name)]
     if name not in DEVICES:
-        raise ValueError(f"unknown device profile {name!r}; choose one of {', '.join(DEVICES)} or pass a DeviceProfile")
+        raise ValueError(f"unknown device profile {name!r}; choose one of {', '.join(DEVICES)}, or pass a "
+                         "DeviceProfile (optremat.measure_profile() measures this machine's)")
     return DEVICES[name]
 
 

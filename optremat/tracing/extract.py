@@ -916,9 +916,15 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
     op = ops[0] if ops else type(error).__name__
     module = f"module '{where}'" if where else f"{type(model).__name__}.forward"
     first_line = text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
-    if "data-dependent" in text or "_local_scalar_dense" in text or "DataDependent" in type(error).__name__:
-        hint = ("the model reads a tensor's value in Python (.item(), .tolist(), `if tensor:`); make that check "
-                "skippable during tracing or move it out of forward")
+    failed = dict(model.named_modules()).get(where, model)
+    if isinstance(failed, nn.RNNBase) and "FakeTensor" in text:
+        hint = ("an RNN given a PackedSequence runs as many steps per sequence as its lengths' values say, which "
+                "no trace on fake tensors can follow: optremat cannot plan it yet; run the RNN on the padded batch "
+                "to plan it")
+    elif "data-dependent" in text or "_local_scalar_dense" in text or "DataDependent" in type(error).__name__:
+        hint = ("the model reads a tensor's value in Python (.item(), .tolist(), `if tensor:`) that the trace "
+                "cannot compute from the example batch (it follows a random op, or the model is on the meta "
+                "device); make that check skippable during tracing or move it out of forward")
     elif "DynamicOutputShape" in type(error).__name__ or "DynamicOutputShape" in type(error.__cause__).__name__:
         hint = ("the op's output size depends on its inputs' values (a CTC loss's on the target lengths), which no "
                 "trace on fake tensors can size: optremat cannot plan a step that runs it yet")
