@@ -72,13 +72,20 @@ NOTES = [
 PLAN_NOTES = [
     "The head's chunks lower the step's floor (the whole logits and their float32 copies are gone), so the same "
     "budgets cost less than with the head whole in the first table: the 7B at per-block checkpointing's peak "
-    "+15.97% with 2 chunks, where the head whole costs +18.81% and per-block itself +27.94%; the 13B at half its "
-    "unplanned peak, refused with the head whole, plans at +14.00% (bound +13.45%) in 43 s, the one row over "
-    "30 s. Eight steps are traced (the head whole and in 2 to "
-    "128 chunks: 0.6 to 4.5 s each on the 7B, the 128-chunk loop the longest) and seven or eight solved; the "
-    "blocks' frontiers, half of each count's solve alone, are solved once for all counts. Before that memo, "
-    "and before a 128-chunk step still found its chain of decoder layers (by their share of the forward's "
-    "compute, not of its ops), the 7B took 35 s at 70% and 52 s at 50%.",
+    "+7.41% with 2 chunks, where the head whole costs +8.12% and per-block itself +10.68%; the 13B at half its "
+    "unplanned peak, refused with the head whole, plans at +7.66% in 67 s, the one row over 30 s, and its bound "
+    "is lost: the whole head's count is refused without proof, so no count bounds it. Eight steps are traced "
+    "(the head whole and in 2 to 128 chunks: 0.6 to 4.5 s each on the 7B, the 128-chunk loop the longest) and "
+    "seven or eight solved; the blocks' frontiers, half of each count's solve alone, are solved once for all "
+    "counts, and the choice of one option per block is polished for 0.3 s per count (1 s before: the same plans, "
+    "the 7B at half its unplanned peak planned in 24.0 s, 4 s sooner).",
+    "",
+    "These rows and the table above price ops on the H100 profile measured on an H200 (`gpu_measured.md`: "
+    "bfloat16 products at 7.5e14 FLOP/s, each op the longer of its 8 us launch and its work, 0.7 ms per "
+    "checkpointed call). On the profile before (4.9e14 FLOP/s, launches added to the work, the CPU host's "
+    "65 us per call) the same rows cost 2 to 3 times as much: per-block checkpointing +26.58% to +27.94%, the "
+    "7B end to end +11.96% at half its peak (28.5 s) and +15.97% at per-block's; the 13B at half its peak "
+    "+14.00% (bound +13.45%) in 43 s.",
 ]
 
 
