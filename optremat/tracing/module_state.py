@@ -15,9 +15,11 @@ modules, tensors, classes or functions; random number generators held so (numpy'
 Python's); the plain values of its class's attributes and of the globals its forward
 reads; and where the user wrote that class or forward (not an installed package or the
 standard library, whose registries their own hooks must agree with), the containers,
-objects and generators among those attributes and globals too. `kept` restores all of it as it was, and
-the contents of tensors among the modules' attributes (containers one level down) that
-were written over. `python_state` is all of it but the module's parameters, buffers,
+objects of the user's classes and generators among those attributes and globals, and
+among the globals of the user's own modules and functions they hold. `kept` restores
+all of it as it was (an lru_cache the trace filled is cleared), and the contents of
+tensors among the modules' attributes (containers one level down) that were written
+over. `python_state` is all of it but the module's parameters, buffers,
 submodules and hooks, compared before and after each call.
 """
 
@@ -137,8 +139,8 @@ _LIBRARIES = tuple({os.path.realpath(sysconfig.get_paths()[kind]) + os.sep
 
 def _users(space: Any) -> bool:
     """Whether a class or module namespace was written outside the installed packages,
-    the standard library and optremat (a script, a notebook, the user's own package): libraries keep
-    registries there that their own hooks must agree with."""
+    the standard library and optremat (a script, a notebook, the user's own package):
+    libraries keep registries there that their own hooks must agree with."""
     name = space.get("__name__") if isinstance(space, dict) else space.__module__
     path = getattr(sys.modules.get(name), "__file__", None) if name is not None else None
     if path is None:  # a notebook's or an interactive session's, not a builtin module's
@@ -157,7 +159,8 @@ def _namespaces(modules: Iterable[nn.Module]) -> list[Any]:
     spaces: dict[int, Any] = {}
     for module in modules:
         mro = type(module).__mro__
-        for space in (*mro[:mro.index(nn.Module)], getattr(getattr(type(module), "forward", None), "__globals__", None)):
+        forward = getattr(type(module), "forward", None)
+        for space in (*mro[:mro.index(nn.Module)], getattr(forward, "__globals__", None)):
             if space is not None:
                 spaces.setdefault(id(space), space)
     found = dict(spaces)
@@ -372,7 +375,8 @@ def _entries(value: Any) -> Any:
 
 def _ends(value: Any, kind: type) -> list[Any]:
     if kind is dict:
-        return list(itertools.islice(dict.items(value), _ENDS)) + list(itertools.islice(reversed(dict.items(value)), _ENDS))
+        items = dict.items(value)
+        return list(itertools.islice(items, _ENDS)) + list(itertools.islice(reversed(items), _ENDS))
     if kind is list:
         return list.__getitem__(value, slice(0, _ENDS)) + list.__getitem__(value, slice(-_ENDS, None))
     return list(itertools.islice(set.__iter__(value), _ENDS))
