@@ -66,7 +66,8 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     memory bound of the step's own graph stands in. OPTIMAL when the plan meets it. A
     chain of identical blocks is first solved once per block and composed (`_composed`):
     that plan, within COMPOSED_GAP of its bound, is the plan; otherwise it is one more seed,
-    and when it wins, the better of its bound and the search's is the plan's. A budget
+    and when it or any plan of regions inside the blocks wins, the better of its bound and
+    the search's is the plan's. A budget
     none of those fits runs the least-peak search, whose plan is the plan where it fits
     (the search under the budget can miss it in its time), else the error names its peak.
     A budget under the step's `peak_floor` is refused without searching for a plan that
@@ -113,8 +114,8 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     bound = (exact.bound if exact.bound is not None and math.isfinite(exact.bound)
              else total + solver_floor(graph, budget_bytes, searching, share=False))
     best: Priced = min(fitting, key=lambda c: c.cost)
-    scoped = (composed is not None and best is composed.result.priced and not exact.optimal
-              and math.isfinite(composed.result.bound)
+    scoped = (composed is not None and _inside(chain, best) and not exact.optimal
+              and math.isfinite(composed.result.bound) and composed.result.bound <= best.cost * (1 + 1e-9)
               and (exact.bound is None or composed.result.bound > exact.bound))
     if scoped:
         bound = composed.result.bound
@@ -124,6 +125,13 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     name = composed.name if scoped else coarse_solution.solver if coarse else best.source
     return _plan_of(rmap, best, budget_bytes, name, bound, started,
                     coarse_solution.cost / total - 1 if coarse else best.overhead)
+
+
+def _inside(chain: Chain, best: Priced) -> bool:
+    """Whether every region of `best` lies inside the chain's blocks (whichever seed found
+    it), where the composition's bound holds."""
+    inner = {call for calls in chain.inner for call in calls}
+    return all((region.path, region.call) in inner for region in best.lowering.regions)
 
 
 def _left(time_limit: float, since: float, deterministic: bool) -> float:
