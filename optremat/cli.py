@@ -395,10 +395,8 @@ def _device(text: str) -> Any:
     """A device profile's name, or for 'measured' this machine's profile measured now."""
     from optremat.tracing.costs import DEVICES
     if text == "measured":
-        import torch
-
         from optremat.tracing.calibrate import measure_profile
-        return measure_profile("cuda" if torch.cuda.is_available() else "cpu")
+        return measure_profile()
     if text not in DEVICES:
         raise ValueError(f"unknown --device {text!r}; choose one of {', '.join(DEVICES)} or measured")
     return text
