@@ -143,7 +143,7 @@ def _users(space: Any) -> bool:
     libraries keep registries there that their own hooks must agree with."""
     name = space.get("__name__") if isinstance(space, dict) else space.__module__
     path = getattr(sys.modules.get(name), "__file__", None) if name is not None else None
-    if path is None:  # a notebook's or an interactive session's, not a builtin module's
+    if path is None:  # a notebook's or an interactive interpreter's, not a builtin module's
         return name == "__main__"
     return not os.path.realpath(path).startswith(_LIBRARIES)
 
