@@ -64,18 +64,15 @@ class DeviceProfile:
     overlaps_launch: bool = False
 
     def __post_init__(self) -> None:
-        rates = {"flops_per_second": self.flops_per_second, "bytes_per_second": self.bytes_per_second,
-                 "mapped_bytes_per_second": self.mapped_bytes_per_second,
-                 **({} if self.float32_flops_per_second is None
-                    else {"float32_flops_per_second": self.float32_flops_per_second})}
-        seconds = {"launch_seconds": self.launch_seconds, "dispatch_seconds": self.dispatch_seconds,
-                   "rerun_seconds": self.rerun_seconds, "pack_seconds": self.pack_seconds}
-        for name, value in rates.items():
-            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
-                raise ValueError(f"DeviceProfile {self.name!r}: {name} must be a finite number > 0, not {value!r}")
-        for name, value in seconds.items():
-            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
-                raise ValueError(f"DeviceProfile {self.name!r}: {name} must be a finite number >= 0, not {value!r}")
+        rates = ("flops_per_second", "bytes_per_second", "mapped_bytes_per_second", "float32_flops_per_second")
+        seconds = ("launch_seconds", "dispatch_seconds", "rerun_seconds", "pack_seconds")
+        for name in rates + seconds:
+            value, least = getattr(self, name), "> 0" if name in rates else ">= 0"
+            if value is None and name == "float32_flops_per_second":
+                continue
+            if not (isinstance(value, (int, float)) and (value > 0 if name in rates else value >= 0)
+                    and value < math.inf):
+                raise ValueError(f"DeviceProfile {self.name!r}: {name} must be a finite number {least}, not {value!r}")
 
     def flop_rate(self, args: Any) -> float:
         """The product rate of an op on `args`: the float32 one where a floating tensor

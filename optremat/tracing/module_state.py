@@ -78,9 +78,10 @@ def kept(model: nn.Module) -> Iterator[None]:
     saved = [(module, dict(module.__dict__), {name: _contents(value) for name, value in module.__dict__.items()
                                               if _kind(value) in (dict, list, set)})
              for module in modules]
-    own, shared = _roots(modules)
+    spaces = _namespaces(modules)
+    own, shared = _roots(modules, spaces)
     contents = [(value, _snapshot(value)) for value in _reachable(own, shared)]
-    plain = [(space, dict(_plain_items(space))) for space in _namespaces(modules)]
+    plain = [(space, dict(_plain_items(space))) for space in spaces]
     caches = [(cache, cache.cache_info().currsize) for cache in shared if isinstance(cache, _LRU_CACHE)]
     values = {id(t): (t, t._version, t.detach().to("cpu", copy=True)) for module in modules
               for t in _tensors(module)}
@@ -117,17 +118,18 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
     refreshed = next((names for kind, names in _REFRESHED.items() if isinstance(module, kind)), ())
     own = tuple((name, _entries(value)) for name, value in module.__dict__.items()
                 if name not in _OWN and name not in refreshed)
-    reached = tuple((id(value), _fingerprint(value)) for value in _reachable(*_roots([module], refreshed)))
-    return own, reached, tuple(tuple(_plain_items(space).items()) for space in _namespaces([module]))
+    spaces = _namespaces([module])
+    reached = tuple((id(value), _fingerprint(value)) for value in _reachable(*_roots([module], spaces, refreshed)))
+    return own, reached, tuple(tuple(_plain_items(space).items()) for space in spaces)
 
 
-def _roots(modules: Iterable[nn.Module], skipped: Iterable[str] = ()) -> tuple[list[Any], list[Any]]:
-    """What a walk starts from: the modules' own attributes, and the values among the
-    attributes of their classes and in the namespaces their forwards read that the user
-    wrote (`_namespaces`)."""
+def _roots(modules: Iterable[nn.Module], spaces: list[Any],
+           skipped: Iterable[str] = ()) -> tuple[list[Any], list[Any]]:
+    """What a walk starts from: the modules' own attributes, and the values in those of
+    their `spaces` (`_namespaces`) that the user wrote."""
     own = [value for module in modules for name, value in module.__dict__.items()
            if name not in _OWN and name not in skipped]
-    return own, [value for space in _namespaces(modules) if _users(space)
+    return own, [value for space in spaces if _users(space)
                  for name, value in list(_namespace_items(space)) if not _dunder(name)]
 
 
@@ -145,6 +147,11 @@ def _users(space: Any) -> bool:
     path = getattr(sys.modules.get(name), "__file__", None) if name is not None else None
     if path is None:  # a notebook's or an interactive interpreter's, not a builtin module's
         return name == "__main__"
+    return _outside_libraries(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _outside_libraries(path: str) -> bool:
     return not os.path.realpath(path).startswith(_LIBRARIES)
 
 
@@ -220,7 +227,7 @@ def _reachable(own: Iterable[Any], shared: Iterable[Any] = ()) -> list[Any]:
             inside = [item for pair in itertools.islice(dict.items(value), room) for item in pair]
         elif kind is not None:
             inside = list(itertools.islice(kind.__iter__(value), room))
-        elif whole or _users_class(type(value)):
+        elif whole or _users(type(value)):
             attributes = _attributes(value)
             if attributes is None:
                 continue
@@ -232,11 +239,6 @@ def _reachable(own: Iterable[Any], shared: Iterable[Any] = ()) -> list[Any]:
         todo.extend((item, whole) for item in inside)
         queued[whole] += len(inside)
     return found
-
-
-@functools.lru_cache(maxsize=None)
-def _users_class(cls: type) -> bool:
-    return _users(cls)
 
 
 def _kind(value: Any) -> type | None:
