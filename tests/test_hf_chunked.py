@@ -34,10 +34,17 @@ FAMILIES = {
     "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**LAYERS, head_dim=16)),
     "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**LAYERS, head_dim=16,
                                                                                final_logit_softcapping=0.2)),
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**LAYERS, head_dim=16,
+                                                                                   final_logit_softcapping=0.2)),
+    "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**LAYERS)),
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **LAYERS, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)),
 }
 """Small models from their configs: GPT-2 and the Gemmas tie the head to the embedding,
-GPT-2 has dropout, and Gemma 2's softcapping (0.2) bends its logits (about 0.2 at random
-initialisation) well away from the identity."""
+GPT-2 has dropout, Gemma 2's and 3's softcapping (0.2) bends their logits (about 0.2 at
+random initialisation) well away from the identity, and the Mixtral adds its router's
+load-balancing loss. OLMo 2, Gemma 3 and Mixtral are named nowhere in optremat: their
+forwards have the code of Llama's, Gemma 2's and Mixtral's."""
 
 
 def built(family: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -69,7 +76,7 @@ def two_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chunking, "CHOICES", (None, 4))
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("qwen3", "gemma") else f
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("qwen3", "gemma", "gemma3") else f
                                     for f in FAMILIES])
 def test_the_plan_runs_the_models_own_head_and_loss_in_chunks(family: str, two_choices) -> None:
     model, batch = built(family)
@@ -86,6 +93,22 @@ def test_the_plan_runs_the_models_own_head_and_loss_in_chunks(family: str, two_c
         optremat.remove(model)
     assert measured <= found.budget_bytes * 1.02 and abs(measured / found.predicted_peak_bytes - 1) < 0.05
     assert model(**batch).logits.shape == (B, T, V)
+
+
+def test_a_mixtures_tuple_keeps_its_router_loss_and_the_logits_place(two_choices) -> None:
+    """Called with return_dict=False, Mixtral returns (loss, aux_loss, logits, ...) less
+    what is None: the chunked step's tuple has the same places, None for the logits."""
+    model, batch = built("mixtral")
+    want = model(**batch, return_dict=False)
+    found = optremat.plan(model, batch, BUDGET, time_limit=5)
+    optremat.apply(model, found)
+    try:
+        got = model(**batch, return_dict=False)
+    finally:
+        optremat.remove(model)
+    assert found.chunking.chunks == 4 and len(got) == len(want) and got[2] is None
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    assert want[1] > 0 and (got[0] - want[0]).abs() < 1e-5
 
 
 def test_no_plan_with_the_whole_head_fits_that_budget() -> None:

@@ -64,7 +64,7 @@ class CompiledBase:
 
 
 def compile_causal_lm(model: nn.Module, backend: Backend) -> nn.Module:
-    """`model`, a transformers causal LM (one of `causal_lm.FORWARDS`), with its training
+    """`model`, a transformers causal LM (of a form in `causal_lm.TEMPLATES`), with its training
     steps compiled by `backend` and its own loss run as planned; returned.
 
     A training call given `labels` (the model in training mode, gradients on) runs the

@@ -61,7 +61,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     `chunks="auto"` has its head run whole or in token chunks as the plan chooses
     (`optremat.planning.chunking`; `time_limit` shared among the counts priced), and a
     budget fraction is of the unplanned step with the whole head. So has the own loss of
-    a transformers causal LM (`optremat.tracing.causal_lm.FORWARDS`) given `labels`:
+    a transformers causal LM (of a form in `optremat.tracing.causal_lm.TEMPLATES`) given `labels`:
     `head_chunks` "auto" leaves its head to the plan, None keeps the model's own forward
     (the whole logits in its output), a count runs the head in that many token chunks;
     once applied, the training steps of a chunked head return `outputs.logits` as None.

@@ -9,20 +9,27 @@ since no step holds the whole logits (as Liger Kernel's and Cut Cross-Entropy's 
 return them). `optremat.plan` prices it by tracing the model under `running`, and
 `optremat.apply` runs the planned training steps through it.
 
-Only forwards read to have that form run so (`FORWARDS`, transformers 5), and only
-while the model's forward, head and loss function are its class's own; a call that
-computes no loss (no `labels`) or keeps only some positions' logits (`logits_to_keep`)
-runs the model's own forward.
+Only forwards read to have that form run so, and only while the model's forward, head and
+loss function are its class's own; a call that computes no loss (no `labels`) or keeps
+only some positions' logits (`logits_to_keep`) runs the model's own forward. A forward
+has that form when its code is one of `TEMPLATES`' (transformers 5), read as Python's
+parser reads it, but for the names of its base model and of the variable holding that
+model's output, that output's annotated type, the class it returns, and which of the
+base model's outputs it passes on (`_shape`): in transformers 5.24 that is 82 causal LMs, 56 of Llama's or GPT-2's form
+(mixtures of experts without a load-balancing loss among them), 21 of Mixtral's and 5 of
+Gemma 2's.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import sys
+import textwrap
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,13 +40,29 @@ from optremat.tracing.inputs import call_of
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss, check_chunks
 from optremat.tracing.repeat import MODULE_HOOKS
 
-FORWARDS = {"GPT2LMHeadModel": None, "LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": None,
-            "Qwen3ForCausalLM": None, "GemmaForCausalLM": None, "Gemma2ForCausalLM": "final_logit_softcapping"}
-"""The causal LMs of transformers 5 whose forward is `outputs = self.<base model>(<every
+
+@dataclass(frozen=True)
+class Form:
+    """What a causal LM's forward does around its head and loss: the config attribute
+    holding the softcap of its logits (Gemma 2's), whether it adds its router's
+    load-balancing loss when it collects the router logits (Mixtral's), and (for one
+    class, `_form`) the base model's attribute and the outputs of the base model its
+    result passes on."""
+
+    softcap: str | None = None
+    router_loss: bool = False
+    base: str = ""
+    passed: tuple[str, ...] = ()
+
+
+TEMPLATES = {"LlamaForCausalLM": Form(), "GPT2LMHeadModel": Form(),
+             "Gemma2ForCausalLM": Form(softcap="final_logit_softcapping"), "MixtralForCausalLM": Form(router_loss=True)}
+"""transformers 5's causal LMs whose forward is `outputs = self.<base model>(<every
 argument but labels and logits_to_keep>)`, `logits = self.lm_head(outputs.last_hidden_state
-[:, -logits_to_keep:])`, softcapped as Gemma 2 does where a config attribute is named
-here, then `self.loss_function(logits, labels, vocab_size, **kwargs)`, returned with the
-base model's other outputs: by the class that defines the forward."""
+[:, -logits_to_keep:])`, softcapped as Gemma 2 does, then `self.loss_function(logits,
+labels, vocab_size, **kwargs)` (plus the router's loss times its coefficient, Mixtral),
+returned with some of the base model's outputs; every class whose forward's code is one
+of these (`_shape`) runs the same way."""
 
 _SPLIT = ("labels", "logits_to_keep")
 """The forward's arguments that do not go to the base model."""
@@ -105,11 +128,11 @@ def own_head(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], tor
 def own_chunks(model: nn.Module, chunks: int | None) -> int | None:
     """`chunks`, the token chunks a plan runs a causal LM's head in (`Plan.chunking`),
     where they are for `model`'s own head and loss: where `model` runs its class's
-    forward and that is one of `FORWARDS`, since the other way to chunk a head, a
+    forward and that has a form of `TEMPLATES`, since the other way to chunk a head, a
     `CausalLMLoss`, reads hidden states, which those forwards never return. None
     otherwise; a ValueError saying why where they are and the model's own loss cannot
     run with its head in chunks now (hooks on its head, another loss function)."""
-    if chunks is None or not (_runs_its_class_forward(model) and _known(_defining(type(model)))):
+    if chunks is None or not (_runs_its_class_forward(model) and _form(_defining(type(model))) is not None):
         return None
     reason = unsupported(model)
     if reason is not None:
@@ -119,7 +142,7 @@ def own_chunks(model: nn.Module, chunks: int | None) -> int | None:
 
 @dataclass(frozen=True)
 class HeadInChunks:
-    """A causal LM's forward (one of `FORWARDS`) with its head and loss run by
+    """A causal LM's forward (of a form in `TEMPLATES`) with its head and loss run by
     `CausalLMLoss` in `chunks` token chunks ("auto": those a plan installs for the head),
     returning the forward's output with `logits` None (a tuple keeps their place, as
     None); a call that computes no loss runs the model's own forward. Called as
@@ -141,20 +164,39 @@ class HeadInChunks:
         if call is None or reason is not None:
             return forward(*args, **kwargs)
         arguments, extra, labels = call
+        form = _form(_defining(type(model)))
         passed = extra.pop("return_dict", None)  # as transformers' can_return_tuple reads it
         return_dict = getattr(model.config, "return_dict", True) if passed is None else passed
-        softcap = FORWARDS[_defining(type(model)).__name__]
+        if form.router_loss and arguments.get("output_router_logits") is None:
+            arguments["output_router_logits"] = model.config.output_router_logits
         loss_fn = CausalLMLoss(model.get_output_embeddings(), labels, ignore_index=extra.get("ignore_index", -100),
                                shift=extra.get("shift_labels") is None,
                                num_items_in_batch=extra.get("num_items_in_batch"),
-                               softcap=None if softcap is None else getattr(model.config, softcap, None),
+                               softcap=None if form.softcap is None else getattr(model.config, form.softcap, None),
                                chunks=self.chunks)
         outputs = (model.base_model if self.base is None else self.base(loss_fn))(**arguments, **extra)
         loss = loss_fn(outputs.last_hidden_state)
+        kept = {name: getattr(outputs, name) for name in form.passed}
+        if form.router_loss:
+            kept["aux_loss"] = _router_loss(model, outputs, arguments)
+            if kept["aux_loss"] is not None:
+                loss = loss + model.router_aux_loss_coef * kept["aux_loss"].to(loss.device)
         result = _signature(type(model)).return_annotation
-        kept = {f.name: getattr(outputs, f.name, None) for f in fields(result) if f.name not in ("loss", "logits")}
         output = result(loss=loss, logits=None, **kept)
-        return output if return_dict else (loss, None, *output.to_tuple()[1:])  # logits' place kept, as None
+        if return_dict:
+            return output
+        # as ModelOutput.to_tuple, which leaves out what is None, but with the logits' place kept
+        return tuple(getattr(output, f.name) for f in fields(result)
+                     if f.name == "logits" or getattr(output, f.name) is not None)
+
+
+def _router_loss(model: nn.Module, outputs: Any, arguments: dict[str, Any]) -> torch.Tensor | None:
+    """The router's load-balancing loss as a forward of Mixtral's form computes it, by
+    the function its module defines; None where the call collects no router logits."""
+    if not arguments["output_router_logits"]:
+        return None
+    balance = inspect.unwrap(_defining(type(model)).forward).__globals__["load_balancing_loss_func"]
+    return balance(outputs.router_logits, model.num_experts, model.num_experts_per_tok, arguments.get("attention_mask"))
 
 
 @contextmanager
@@ -180,12 +222,15 @@ def _unsupported_class(model: nn.Module) -> str | None:
     head in chunks, or None (hooks are checked apart, `_hooked`: a trace adds its own)."""
     name = type(model).__name__
     defining = _defining(type(model))
-    if not _known(defining):
-        return (f"{name} runs {defining.__qualname__}.forward, and the causal LMs whose own loss runs with the head "
-                f"in chunks are transformers' {', '.join(FORWARDS)}")
-    transformers = sys.modules["transformers"]
-    if int(transformers.__version__.split(".")[0]) < 5:
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and int(transformers.__version__.split(".")[0]) < 5:
         return f"{name}'s forward in transformers {transformers.__version__} is not the one read; transformers 5 has it"
+    form = _form(defining)
+    if form is None:
+        return (f"{name} runs {defining.__qualname__}.forward, and the causal LMs whose own loss runs with the head "
+                f"in chunks are transformers' whose forward is {', '.join(TEMPLATES)}'s but for the types it names")
+    if getattr(model, form.base, None) is not model.base_model:
+        return f"{name}'s forward runs its {form.base}, which is not its base_model"
     signature = _signature(type(model))
     result = signature.return_annotation
     if (not all(p in signature.parameters for p in _SPLIT) or not is_dataclass(result)
@@ -227,9 +272,67 @@ def _defining(cls: type) -> type:
     return next(c for c in cls.__mro__ if "forward" in vars(c))
 
 
-def _known(defining: type) -> bool:
-    """Whether `defining` is a transformers class whose forward is one of `FORWARDS`."""
-    return defining.__module__.startswith("transformers.models.") and defining.__name__ in FORWARDS
+@functools.cache
+def _form(defining: type) -> Form | None:
+    """The form of the forward `defining` defines, its base model's attribute and the
+    outputs it passes on filled in: that of the first of `TEMPLATES` whose code it has
+    (`_shape`), where its base model is handed every argument but labels and
+    logits_to_keep; None for a class outside transformers' models or of no such form."""
+    read = _shape(defining) if defining.__module__.startswith("transformers.models.") else None
+    if read is None:
+        return None
+    shape, base, handed, passed = read
+    taken = [p.name for p in _signature(defining).parameters.values()
+             if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name not in _SPLIT][1:]
+    if sorted(handed) != sorted(taken):
+        return None
+    transformers = sys.modules["transformers"]
+    for name, form in TEMPLATES.items():
+        template = getattr(transformers, name, None)
+        known = None if template is None else _shape(_defining(template))
+        if known is not None and known[0] == shape:
+            return replace(form, base=base, passed=passed)
+    return None
+
+
+@functools.cache
+def _shape(cls: type) -> tuple[str, str, tuple[str, ...], tuple[str, ...]] | None:
+    """The code of the forward `cls` defines as Python's parser reads it, without its
+    docstring, the type its base model's output is annotated with and the name of the
+    variable holding it, the base model's attribute, the class of its result and the
+    base model's outputs that passes on unchanged; then that attribute, the names of the
+    arguments the base model is handed, and the outputs passed on. None where the
+    forward's source cannot be read, or it calls no `self.<attribute>(...)` first."""
+    try:
+        function = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    body = list(getattr(function, "body", []))
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    body = [ast.Assign([s.target], s.value) if isinstance(s, ast.AnnAssign) and s.value is not None else s
+            for s in body]
+    first = next((s for s in body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
+                  and isinstance(s.value.func, ast.Attribute) and isinstance(s.value.func.value, ast.Name)
+                  and s.value.func.value.id == "self"), None)
+    if first is None or len(first.targets) != 1 or not isinstance(first.targets[0], ast.Name):
+        return None
+    held, base = first.targets[0].id, first.value.func.attr
+    handed = tuple([a.id for a in first.value.args if isinstance(a, ast.Name)]
+                   + [k.arg for k in first.value.keywords if k.arg is not None])
+    passed: list[str] = []
+    for statement in body:
+        if isinstance(statement, ast.Return) and isinstance(statement.value, ast.Call):
+            call = statement.value
+            passed = [k.arg for k in call.keywords if isinstance(k.value, ast.Attribute)
+                      and isinstance(k.value.value, ast.Name) and k.value.value.id == held and k.value.attr == k.arg]
+            call.keywords = [k for k in call.keywords if k.arg not in passed]
+            call.func = ast.Name("RESULT")
+    first.value.func.attr = "BASE"
+    for node in ast.walk(ast.Module(body, [])):
+        if isinstance(node, ast.Name) and node.id == held:
+            node.id = "OUTPUTS"
+    return ast.dump(ast.Module(body, [])), base, handed, tuple(passed)
 
 
 def _runs_its_class_forward(model: nn.Module) -> bool:
