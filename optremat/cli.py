@@ -220,6 +220,8 @@ def _cache_command(args: argparse.Namespace) -> int:
     from optremat.planning.cache import PlanCache
 
     store = PlanCache(args.dir)
+    if store.directory.exists() and not store.directory.is_dir():
+        raise ValueError(f"--dir {args.dir} is a file, not a plan cache directory")
     if args.action == "clear":
         print(f"removed {store.clear()} plans from {store.directory}")
         return 0
@@ -349,6 +351,8 @@ def _columns(header: list[str], rows: list[list[str]]) -> str:
 def _show_command(args: argparse.Namespace) -> int:
     from optremat.planning.result import Plan
 
+    if args.top < 0:
+        raise ValueError(f"--top must be a count of tensors >= 0, not {args.top}")
     result = Plan.load(args.plan)
     if args.plot:
         _plot(result, args.plot)

@@ -132,6 +132,15 @@ def test_show_rejects_a_file_that_is_not_a_plan(tmp_path):
     assert result.returncode == 2 and "not an optremat plan" in result.stderr
 
 
+def test_a_negative_top_and_a_cache_dir_that_is_a_file_exit_2_with_one_line(tmp_path):
+    (tmp_path / "x.json").write_text("{}")
+    for args, message in ((("show", str(tmp_path / "x.json"), "--top", "-3"), "--top must be"),
+                          (("cache", "list", "--dir", str(tmp_path / "x.json")), "is a file"),
+                          (("cache", "clear", "--dir", str(tmp_path / "x.json")), "is a file")):
+        result = run(*args)
+        assert result.returncode == 2 and message in result.stderr and result.stderr.strip().count("\n") == 0
+
+
 def test_plan_model_bad_budgets_exit_2_with_one_line():
     for bad in ("0", "-1", "nan", "2.5", "12 parsecs", "1000"):
         result = run("plan", "--model", "mlp-tiny", "--budget", bad)
