@@ -682,3 +682,19 @@ def test_an_op_whose_output_size_its_values_decide_is_refused_naming_why():
     x, targets, lengths = torch.randn(30, 2, 16), torch.randint(1, 8, (2, 10)), torch.tensor([10, 7])
     with pytest.raises(ExtractionError, match="output size depends on its inputs' values .a CTC loss"):
         extract(CTC(), optremat.Inputs(x, targets, lengths), lambda loss: loss)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "detect_anomaly"])
+def test_planning_under_a_mode_without_training_plans_the_training_step(mode: str) -> None:
+    """Under no_grad and inference_mode the trace found no backward, and under anomaly
+    mode its NaN checks read values a trace has not, each failing with an error that
+    blamed the model. The plan is of the training step, whatever mode the caller is in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(4)])
+    x = torch.randn(1024, 64)
+    want = optremat.plan(model, x, 0.8, loss_fn=lambda out: out.square().mean(), deterministic=True)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "detect_anomaly": lambda: torch.autograd.set_detect_anomaly(True)}[mode]
+    with context():
+        got = optremat.plan(model, x, 0.8, loss_fn=lambda out: out.square().mean(), deterministic=True)
+    assert want.regions and got.regions == want.regions and got.predicted_peak_bytes == want.predicted_peak_bytes

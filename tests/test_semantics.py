@@ -622,6 +622,61 @@ def test_state_of_code_the_user_wrote_outside_the_module_is_kept_by_planning(tmp
         assert _COUNTS["calls"] == 3
 
 
+class _Layer:
+    """What a caller tells its blocks: the layer running now."""
+
+    index = 0
+
+
+_CURRENT = {"layer": 0}
+
+
+class ReadsTheCurrentLayer(nn.Module):
+    """A block scaling by the layer its caller set last, on a shared object or in a global."""
+
+    def __init__(self, shared: _Layer | None) -> None:
+        super().__init__()
+        self.shared = shared
+        self.weight = nn.Parameter(torch.randn(256, 64) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = _CURRENT["layer"] if self.shared is None else self.shared.index
+        return x + torch.tanh(x @ self.weight.T * (1 + 0.5 * layer)) @ self.weight
+
+
+class SetsTheCurrentLayer(nn.Module):
+    def __init__(self, shared: _Layer | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ReadsTheCurrentLayer(shared) for _ in range(4))
+        self.tail = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if block.shared is None:
+                _CURRENT["layer"] = i
+            else:
+                block.shared.index = i
+            x = block(x)
+        return self.tail(x)
+
+
+@pytest.mark.parametrize("where", ["shared object", "global"])
+def test_a_call_reading_python_state_its_caller_changes_after_it_is_never_checkpointed(where: str) -> None:
+    """Each block read the layer its caller set before it; checkpointed, its rerun in the
+    backward read the last layer set, and the gradients of the first three blocks were
+    wrong. Now those calls are never checkpointed (the last block's state is at the
+    step's end what it began with)."""
+    torch.manual_seed(0)
+    model = SetsTheCurrentLayer(_Layer() if where == "shared object" else None).double()
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+    reference = copy.deepcopy(model)
+    plan = optremat.plan(model, inputs, 0.96, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions and not {r.path for r in plan.regions} & {"blocks.0", "blocks.1", "blocks.2"}
+    with pytest.raises(optremat.InfeasibleBudget, match=r"no plan checkpoints blocks.0 \(call 0\)"):
+        optremat.plan(model, inputs, 0.5, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert_same(step(optremat.apply(model, plan), inputs), step(reference, inputs))
+
+
 def test_a_call_writing_a_tensor_attribute_in_place_is_never_checkpointed() -> None:
     model, inputs = stateful_stack(RunningCenter)
     reference = copy.deepcopy(model)

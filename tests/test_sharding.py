@@ -127,6 +127,15 @@ def test_units_match_one_path_component_per_star_and_the_innermost_wins() -> Non
     assert unit_of(graph, ("blocks.*", "blocks.0.mlp")).tolist() == [0, 1, 2, 3, 0]
 
 
+def test_a_unit_or_group_pattern_matching_no_module_is_refused_before_tracing() -> None:
+    """FSDP(units=("nonexistent.*",)) was planned as a job sharding the root only, where
+    wrapping the model then refused the same pattern."""
+    example = build("gpt-tiny")
+    for parallel in (FSDP(units=("blocks.*", "block.*"), world=2), FSDP(groups=(("lm_head", "norm"),), world=2)):
+        with pytest.raises(ValueError, match=r"no module of GPT matches the FSDP units \['"):
+            optremat.plan(example.model, example.inputs, 1.0, loss_fn=example.loss_fn, parallel=parallel)
+
+
 def test_under_fsdp_no_region_spans_two_units() -> None:
     step, example = traced("mlp-tiny")
     units = ("*",)

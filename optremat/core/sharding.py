@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -97,6 +97,12 @@ def matcher(units: Sequence[str]) -> Callable[[str], bool]:
     patterns = [re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in unit.split(".")) + "$")
                 for unit in units]
     return lambda path: any(p.match(path) for p in patterns)
+
+
+def unmatched(paths: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """The patterns of `patterns` that no module path of `paths` matches."""
+    paths = list(paths)
+    return [pattern for pattern in patterns if not any(map(matcher([pattern]), paths))]
 
 
 def unit_of(graph: Graph, units: Sequence[str], groups: Sequence[Sequence[str]] = ()) -> np.ndarray:

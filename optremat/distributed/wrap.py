@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from optremat.core.sharding import FSDP, Parallel, matcher
+from optremat.core.sharding import FSDP, Parallel, matcher, unmatched
 
 
 def wrap(model: nn.Module, parallel: Parallel, **kwargs: Any) -> nn.Module:
@@ -33,11 +33,11 @@ def wrap(model: nn.Module, parallel: Parallel, **kwargs: Any) -> nn.Module:
 
 def _matching(model: nn.Module, patterns: tuple[str, ...]) -> list[nn.Module]:
     """The modules of `model` whose paths match `patterns` (none for none)."""
+    missing = unmatched((path for path, _ in model.named_modules() if path), patterns)
+    if missing:
+        raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {missing}")
     is_unit = matcher(patterns)
-    found = [module for path, module in model.named_modules() if path and is_unit(path)]
-    if patterns and not found:
-        raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {patterns}")
-    return found
+    return [module for path, module in model.named_modules() if path and is_unit(path)]
 
 
 def held_by_rank(model: nn.Module, wrapped: nn.Module, *more: Iterable[torch.Tensor]) -> list[torch.Tensor]:

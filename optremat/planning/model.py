@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from optremat.core.budget import ACCEPTED, check_budget, resolve_budget
 from optremat.core.graph import format_bytes
-from optremat.core.sharding import DDP, FSDP, Parallel
+from optremat.core.sharding import DDP, FSDP, Parallel, unmatched
 from optremat.core.solution import Progress
 from optremat.ilp.composed import FrontierMemo
 from optremat.planners.solve import SOLVERS
@@ -81,6 +81,12 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan needs the model as a torch.nn.Module, not {type(model).__name__}")
     _check(solver, parallel, budget, time_limit, workers)
+    if isinstance(parallel, FSDP):
+        missing = unmatched((path for path, _ in model.named_modules() if path),
+                            [*parallel.units, *(pattern for group in parallel.groups for pattern in group)])
+        if missing:
+            raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {missing} (module paths, "
+                             "'*' matching one path component, as in 'layers.*')")
     _check_callable(loss_fn=loss_fn, progress=progress)
     own = own_head(model, example_inputs, loss_fn, head_chunks)
     if not model.training:

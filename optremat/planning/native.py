@@ -203,7 +203,7 @@ def _never_checkpointed(rmap: RegionMap) -> str:
     more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
     return (f"no plan checkpoints {named}{more}: each is handed a key/value cache, draws from a generator "
             "checkpoint does not restore, or changes its module's Python state or a tensor attribute, which a "
-            "rerun would do again, or reads a tensor's value as a number")
+            "rerun would do again, or reads a tensor's value as a number, or Python state the step changes after it")
 
 
 def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, solver: str, time_limit: float,
@@ -314,7 +314,8 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     stateful = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) in traced.stateful_calls]
     if stateful:
         raise ValueError(f"{', '.join(stateful)} changes its module's Python state (an attribute it sets or counts), "
-                         "which a rerun would change again: leave it out")
+                         "which a rerun would change again, or finds it changed by the step's end, so that a rerun "
+                         "would read another value: leave it out")
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
     lowered = {(g.path, g.call) for g in priced.lowering.regions}

@@ -102,17 +102,21 @@ def trace(
     """Like `extract`, also returning the fx graph traced. With the roofline, a model of
     many alike blocks is traced through four of them and the rest copied
     (`tracing.repeat`), where the trace shows they repeat; else, and with timed costs
-    (each op run), the whole step is traced."""
+    (each op run), the whole step is traced. The step traced is the training step whatever
+    mode the caller runs in: gradients on, inference mode and anomaly detection off (under
+    `no_grad` no backward was traced; anomaly mode's check of every gradient for NaNs reads
+    values a trace does not have)."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {', '.join(map(repr, COST_MODELS))}, not {cost_model!r}")
-    if cost_model == "roofline":
-        try:
-            copied = _through_four_blocks(model, example_inputs, loss_fn, device)
-        except Exception:  # noqa: BLE001 - NotAlike, or a model that runs only whole: its whole trace decides
-            copied = None
-        if copied is not None:
-            return copied
-    return _trace(model, example_inputs, loss_fn, cost_model, device)
+    with torch.enable_grad(), torch.inference_mode(False), torch.autograd.set_detect_anomaly(False):
+        if cost_model == "roofline":
+            try:
+                copied = _through_four_blocks(model, example_inputs, loss_fn, device)
+            except Exception:  # noqa: BLE001 - NotAlike, or a model that runs only whole: its whole trace decides
+                copied = None
+            if copied is not None:
+                return copied
+        return _trace(model, example_inputs, loss_fn, cost_model, device)
 
 
 def _through_four_blocks(model: nn.Module, example_inputs: Sequence[Any] | Any,
@@ -537,9 +541,13 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
     cache (`kv_cache`), to `drawing` each call that draws from numpy's or Python's
     random numbers (their state changed while it ran), which checkpoint does not restore,
     and to `stateful` each call that changes its module's Python state
-    (`module_state.python_state`: a counter, a cache), which a rerun would change again."""
+    (`module_state.python_state`: a counter, a cache), which a rerun would change again,
+    and each call whose module's Python state is not at the step's end what the call
+    began with (a caller setting a shared object's "current layer" before each block):
+    its rerun in the backward would read what was set last."""
     stack: list[tuple[str, int]] = [("", 0)]
     states: list[Any] = []
+    began: list[tuple[tuple[str, int], nn.Module, Any]] = []
     count: dict[str, int] = {}
 
     def tag() -> None:
@@ -549,6 +557,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
             states.append((_host_random(), module_state.python_state(module)))
+            began.append((stack[-1], module, states[-1][1]))
             count[path] = count.get(path, 0) + 1
             if receives_cache(args, kwargs):
                 cached.add(stack[-1])
@@ -571,6 +580,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
             handles.append(module.register_forward_hook(leave))
     try:
         yield stack
+        stateful.update(call for call, module, python in began if python != module_state.python_state(module))
     finally:
         for handle in handles:
             handle.remove()
