@@ -350,11 +350,35 @@ def test_a_call_drawing_from_numpy_or_python_random_is_never_checkpointed(source
 
     want = seeded_step(model)
     states = np.random.get_state()[1].copy(), random.getstate()
-    plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    with pytest.warns(UserWarning, match=r"draws from Python's or numpy's random numbers \(in 0, 2, 4\)"):
+        plan = optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
     assert np.array_equal(np.random.get_state()[1], states[0]) and random.getstate() == states[1]
     assert plan.regions, "the test needs a plan that checkpoints something"
     assert all(parse_span(r.path) is None and int(r.path.split(".")[0]) % 2 for r in plan.regions)
     assert_same(seeded_step(optremat.apply(model, plan)), want)
+
+
+class LayerDrop(nn.Module):
+    """Blocks each skipped at random by Python's generator, drawn in the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(mlp() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if random.random() >= 0.5:
+                x = x + block(x)
+        return x
+
+
+def test_a_layer_drop_drawn_from_python_random_warns_that_the_plan_is_for_one_draw() -> None:
+    """The plan is priced on the blocks the trace's draw kept: a step keeping all of them
+    peaked at 2.05 times the plan's prediction, with no word from planning."""
+    model = LayerDrop().double()
+    random.seed(1)
+    with pytest.warns(UserWarning, match=r"random numbers \(in LayerDrop.forward\).*a layer drop"):
+        optremat.plan(model, (torch.randn(256, 64, dtype=torch.float64),), 1.0, loss_fn=loss_fn, time_limit=5)
 
 
 def test_a_reentrant_checkpoint_or_a_sparse_gradient_is_refused_naming_it() -> None:
@@ -993,6 +1017,58 @@ def test_a_rerun_runs_its_modules_in_the_mode_they_ran_the_call_in() -> None:
         return loss.item(), {k: p.grad.clone() for k, p in m.named_parameters()}, dict(m.named_buffers())
 
     assert_same(switched(model), switched(reference))
+
+
+class Tempered(nn.Module):
+    """A block scaled by a temperature a schedule sets, with a shift kept as a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = 1.0
+        self.lin = nn.Linear(64, 256)
+        self.out = nn.Linear(256, 64)
+        self.register_buffer("shift", torch.zeros(256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.lin(x) / self.temperature + self.shift))
+
+
+@pytest.mark.parametrize("change", ["temperature", "buffer", "parameter", "inference buffer"])
+def test_what_a_loop_changes_between_forward_and_backward_reaches_no_rerun(change: str) -> None:
+    """A schedule setting the temperature, or an update under no_grad, between the forward
+    and `loss.backward()`: the checkpointed call's rerun read the new values and its
+    gradients differed from the unplanned step's. A plain attribute is now put back for
+    the rerun as the call found it; a tensor written in place stops the backward with an
+    error naming it (an inference tensor, which keeps no version, is passed over)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Tempered(), Tempered(), nn.Linear(64, 64)).double()
+    if change == "inference buffer":
+        with torch.inference_mode():
+            model[0].shift = torch.zeros(256, dtype=torch.float64)
+    x = torch.randn(256, 64, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    plan = optremat.price_regions(model, (x,), [Region("0", 0)], loss_fn=loss_fn)
+    assert [(r.path, r.call) for r in plan.regions] == [("0", 0)]
+    optremat.apply(model, plan)
+
+    def changed(m: nn.Module) -> tuple:
+        loss = loss_fn(m(x))
+        with torch.no_grad():
+            if change == "temperature":
+                m[0].temperature = 2.0
+            elif change == "buffer":
+                m[0].shift.add_(0.5)
+            elif change == "parameter":
+                m[0].lin.bias.add_(0.5)
+        loss.backward()
+        return loss.item(), {k: p.grad.clone() for k, p in m.named_parameters()}, dict(m.named_buffers())
+
+    if change in ("buffer", "parameter"):
+        with pytest.raises(RuntimeError, match=f"the {change} '(shift|bias)' of a (Tempered|Linear) in 0 was written "
+                                               "in place between the forward of 0"):
+            changed(model)
+    else:
+        assert_same(changed(model), changed(reference))
 
 
 def test_planning_passes_over_an_inference_tensor_attribute() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from optremat.planning.model import own_checkpointing
 from optremat.planning.model import plan as make_plan
 from optremat.planning.result import Plan
 from optremat.runtime.apply import Replanning, apply
@@ -56,7 +57,7 @@ class PlanCallback(TrainerCallback):
                        train_dataloader: Any = None, **kwargs: Any) -> None:
         if model is None or train_dataloader is None:
             raise ValueError("optremat's PlanCallback needs the Trainer's model and training dataloader")
-        if _checkpointing(model):
+        if own_checkpointing(model):
             raise ValueError("the model has transformers' own activation checkpointing on, and optremat plans "
                              "checkpointing itself: leave TrainingArguments' activation_checkpointing (or "
                              "gradient_checkpointing) off with this callback")
@@ -87,11 +88,3 @@ def _restartable(loader: Any) -> None:
         raise ValueError(f"{type(dataset).__name__} is a stream read once (its __iter__ returns the same iterator), "
                          "so the batch PlanCallback reads to plan on would not be trained on: plan the model with "
                          "optremat.plan on an example batch and optremat.apply it before training instead")
-
-
-def _checkpointing(model: torch.nn.Module) -> bool:
-    """Whether transformers' own checkpointing is on (its newer name first)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False

@@ -88,6 +88,10 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
             raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {missing} (module paths, "
                              "'*' matching one path component, as in 'layers.*')")
     _check_callable(loss_fn=loss_fn, progress=progress)
+    if own_checkpointing(model):
+        raise ValueError(f"{type(model).__name__} has transformers' own activation checkpointing on, which a plan "
+                         "would run inside of, priced as if it were off: turn it off (gradient_checkpointing_disable()) "
+                         "and let the plan choose what to checkpoint")
     own = own_head(model, example_inputs, loss_fn, head_chunks)
     if not model.training:
         warnings.warn(f"optremat: {type(model).__name__} is in eval mode (as transformers' from_pretrained returns "
@@ -175,6 +179,14 @@ def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any,
     if parallel.world < 1:
         raise ValueError(f"{type(parallel).__name__}(world=...) must name the number of ranks; inside an "
                          "initialized process group, optremat.distributed.plan fills it in")
+
+
+def own_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' own activation checkpointing is on (its newer name first)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def _check_callable(**functions: Any) -> None:

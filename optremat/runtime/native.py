@@ -15,6 +15,11 @@ state, so random ops (never saved by a plan) draw the same numbers; and buffers 
 forward writes (BatchNorm's running statistics, a counter reassigned) are swapped, while
 the region reruns, for copies of what they held when the region first ran, so the rerun
 computes what the forward computed and a step updates them once, as the unplanned step does.
+What a training loop changes between the forward and the backward is met too: a module's
+plain attributes (a temperature schedule, `model.eval()`) are put back for the rerun as the
+call found them, and a parameter or buffer written in place in between (an update under
+`no_grad` before `loss.backward()`) stops the backward with an error naming it, where the
+rerun would have computed other values silently.
 
 A plan is checked against the model before anything is installed (`install`), and the
 installed model pickles and loads with its plan (`torch.save(model)`).
@@ -32,6 +37,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+if torch.distributed.is_available():
+    from torch.distributed.fsdp import FSDPModule
 
 from optremat.planners.regions import Region, parse_span
 from optremat.planning.native import runs_its_children
@@ -376,17 +384,55 @@ def _selective(saved: frozenset[tuple[str, int]]) -> tuple[Any, Any]:
 
 def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.Module, str]]) -> tuple[Any, Any]:
     """The forward's and the recomputation's contexts for one call of a region run by the
-    modules `running`, made as the call starts (so the tensors it reads and the buffers it
-    writes are taken as they are then)."""
+    modules `running`, made as the call starts (so the tensors it reads, the buffers it
+    writes and the plain attributes of its modules are taken as they are then)."""
     held = [(owner, name, owner._buffers[name].detach().clone()) for owner, name in buffers
             if owner._buffers.get(name) is not None]
     owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
     tensors = _tensors_of(owners, {(id(owner), name) for owner, name in buffers})
-    modes = [(owner, owner.training) for owner in owners]
+    found = _Found(region.path, tensors, None if any(isinstance(o, _SHARDED) for o in owners) else
+                   [None if t.is_inference() else t._version for *_, t in tensors],
+                   [(owner, _plain(owner)) for owner in owners])
     if not region.saved:
-        return contextlib.nullcontext(), _Rerun(tensors, held, modes, None)
+        return contextlib.nullcontext(), _Rerun(found, held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
-    return forward, _Rerun(tensors, held, modes, recompute)
+    return forward, _Rerun(found, held, recompute)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+_SHARDED = (FSDPModule,) if torch.distributed.is_available() else ()
+"""FSDP2 gathers a unit's parameters again for its backward, copying into them in place:
+their version counters move with their values unchanged."""
+
+
+def _plain(module: nn.Module) -> dict[str, Any]:
+    """The attributes of `module` that are plain values (its mode among them)."""
+    return {name: value for name, value in module.__dict__.items() if type(value) in _PLAIN}
+
+
+class _Found:
+    """What one call of a region found as it started: the tensors its modules held, their
+    version counters (None under FSDP2; each None for an inference tensor, which keeps
+    none), and its modules' plain attributes."""
+
+    def __init__(self, path: str, tensors: "Tensors", versions: list[int | None] | None,
+                 plain: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+        self.path = path
+        self.tensors = tensors
+        self.versions = versions
+        self.plain = plain
+
+    def check_unwritten(self) -> None:
+        """Refuse a rerun reading a parameter or buffer written in place since the call ran."""
+        for (owner, kind, name, tensor), version in zip(self.tensors, self.versions or ()):
+            if version is not None and tensor._version != version:
+                what = "parameter" if kind == "_parameters" else "buffer"
+                raise RuntimeError(
+                    f"optremat: the {what} {name!r} of a {type(owner).__name__} in {self.path or 'the model'} was "
+                    f"written in place between the forward of {self.path or 'the model'}, which the plan "
+                    "checkpoints, and its rerun in the backward, which would compute other values than the "
+                    "forward did; write it after the backward (or plan without checkpointing that call)")
 
 
 Tensors = list[tuple[nn.Module, str, str, torch.Tensor]]
@@ -424,29 +470,29 @@ def _policy(saved: frozenset[tuple[str, int]]) -> Any:
 class _Rerun:
     """The recomputation's context for one call of a region, entered by every backward
     that reruns it (a first one with `retain_graph=True`, a gradient penalty's): the
-    modules hold the tensors they held as the call started (`_swapped`), the buffers it
-    writes scratch copies (`_scratch`: their copies must not pass through the selective
-    mode, so they come first), and the first rerun saves nothing the forward's selective
-    mode saved (`recompute`, None for a plain region); later reruns recompute every op,
-    that mode having handed its saved outputs to the first (PyTorch's own selective
-    checkpoint refuses a second backward). The copies of the buffers as the call started
-    live as long as checkpoint holds this context, until the call's autograd nodes are
-    done, as plans price them: every rerun reads them. The modules run in the modes they
-    ran the call in (`model.eval()` before the backward must not switch a rerun's dropout
-    or batch norm)."""
+    modules hold the tensors they held as the call started (`_swapped`), none of them
+    written in place since (`_Found.check_unwritten`), the buffers it writes scratch
+    copies (`_scratch`: their copies must not pass through the selective mode, so they
+    come first), and the first rerun saves nothing the forward's selective mode saved
+    (`recompute`, None for a plain region); later reruns recompute every op, that mode
+    having handed its saved outputs to the first (PyTorch's own selective checkpoint
+    refuses a second backward). The copies of the buffers as the call started live as
+    long as checkpoint holds this context, until the call's autograd nodes are done, as
+    plans price them: every rerun reads them. The modules' plain attributes are those
+    the call found (`_restored`): `model.eval()` or a schedule's new temperature set
+    before the backward must not change what a rerun computes."""
 
-    def __init__(self, tensors: Tensors, held: list[tuple[nn.Module, str, torch.Tensor]],
-                 modes: list[tuple[nn.Module, bool]], recompute: Any) -> None:
-        self.tensors = tensors
+    def __init__(self, found: _Found, held: list[tuple[nn.Module, str, torch.Tensor]], recompute: Any) -> None:
+        self.found = found
         self.held = held
-        self.modes = modes
         self.recompute = recompute
         self.stack = contextlib.ExitStack()
 
     def __enter__(self) -> None:
-        self.stack.enter_context(_swapped(self.tensors))
+        self.found.check_unwritten()
+        self.stack.enter_context(_swapped(self.found.tensors))
         self.stack.enter_context(_scratch(self.held))
-        self.stack.enter_context(_moded(self.modes))
+        self.stack.enter_context(_restored(self.found.plain))
         if self.recompute is not None:
             self.stack.enter_context(self.recompute)
             self.recompute = None
@@ -472,16 +518,23 @@ def _swapped(tensors: Tensors) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _moded(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
-    """While it lasts, each module runs in the mode `modes` gives it."""
-    now = [(module, module.training) for module, _ in modes]
-    for module, training in modes:
-        module.training = training
+def _restored(plain: list[tuple[nn.Module, dict[str, Any]]]) -> Iterator[None]:
+    """While it lasts, each module's plain attributes are those `plain` gives it."""
+    changed = [(module, name, module.__dict__.get(name, _ABSENT), value) for module, values in plain
+               for name, value in values.items() if module.__dict__.get(name, _ABSENT) is not value]
+    for module, name, _, value in changed:
+        module.__dict__[name] = value
     try:
         yield
     finally:
-        for module, training in now:
-            module.training = training
+        for module, name, now, _ in reversed(changed):
+            if now is _ABSENT:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = now
+
+
+_ABSENT = object()
 
 
 @contextlib.contextmanager

@@ -186,6 +186,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             _grouped_mm_in_any_float(), eager_mask_decisions(leaves), \
             _module_paths(model, cached, host_drawing, stateful) as stack, _python_holds(model) as holds, \
             fx_traceback.preserve_node_meta():
+        host_random = _host_random()
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
                          decomposition_table=DECOMPOSITIONS)(*args)
@@ -193,6 +194,14 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             raise
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, stack[-1][0])) from error
+        drew = not _same_host_random(host_random, _host_random())
+    if drew:
+        named = sorted({path for path, _ in host_drawing}) or [f"{type(model).__name__}.forward"]
+        warnings.warn(f"optremat: the step draws from Python's or numpy's random numbers (in {', '.join(named)}), "
+                      "so its plan is priced for the numbers the trace drew: where they choose which modules run "
+                      "or how large tensors are (a layer drop), a step drawing others runs another step than the "
+                      "one planned, and can peak above it (the calls drawing them are not checkpointed)",
+                      stacklevel=3)
     size_rnn_workspaces(gm)
     if places:
         warnings.warn(f"optremat: the step reads tensor values as numbers (in {', '.join(sorted(places))}), so its "
