@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import types
 from collections import Counter
 from typing import Any, Callable, Iterator
@@ -392,7 +393,7 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
     tensors = _tensors_of(owners, {(id(owner), name) for owner, name in buffers})
     found = _Found(region.path, tensors, None if any(isinstance(o, _SHARDED) for o in owners) else
                    [None if t.is_inference() else t._version for *_, t in tensors],
-                   [(owner, _plain(owner)) for owner in owners])
+                   [(owner, dict(owner.__dict__)) for owner in owners])
     if not region.saved:
         return contextlib.nullcontext(), _Rerun(found, held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
@@ -406,22 +407,18 @@ _SHARDED = (FSDPModule,) if torch.distributed.is_available() else ()
 their version counters move with their values unchanged."""
 
 
-def _plain(module: nn.Module) -> dict[str, Any]:
-    """The attributes of `module` that are plain values (its mode among them)."""
-    return {name: value for name, value in module.__dict__.items() if type(value) in _PLAIN}
-
-
 class _Found:
     """What one call of a region found as it started: the tensors its modules held, their
     version counters (None under FSDP2; each None for an inference tensor, which keeps
-    none), and its modules' plain attributes."""
+    none), and its modules' attributes (a copy of each `__dict__`: copied whole, as
+    picking out the plain values there took twice what the rest of a call's setup takes)."""
 
     def __init__(self, path: str, tensors: "Tensors", versions: list[int | None] | None,
-                 plain: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+                 attributes: list[tuple[nn.Module, dict[str, Any]]]) -> None:
         self.path = path
         self.tensors = tensors
         self.versions = versions
-        self.plain = plain
+        self.attributes = attributes
 
     def check_unwritten(self) -> None:
         """Refuse a rerun reading a parameter or buffer written in place since the call ran."""
@@ -492,7 +489,7 @@ class _Rerun:
         self.found.check_unwritten()
         self.stack.enter_context(_swapped(self.found.tensors))
         self.stack.enter_context(_scratch(self.held))
-        self.stack.enter_context(_restored(self.found.plain))
+        self.stack.enter_context(_restored(self.found.attributes))
         if self.recompute is not None:
             self.stack.enter_context(self.recompute)
             self.recompute = None
@@ -518,20 +515,33 @@ def _swapped(tensors: Tensors) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _restored(plain: list[tuple[nn.Module, dict[str, Any]]]) -> Iterator[None]:
-    """While it lasts, each module's plain attributes are those `plain` gives it."""
-    changed = [(module, name, module.__dict__.get(name, _ABSENT), value) for module, values in plain
-               for name, value in values.items() if module.__dict__.get(name, _ABSENT) is not value]
+def _restored(attributes: list[tuple[nn.Module, dict[str, Any]]]) -> Iterator[None]:
+    """While it lasts, each module's attributes that hold plain values (its mode among
+    them) in `attributes` or in the module now are those of `attributes`."""
+    changed = []
+    for module, before in attributes:
+        now = module.__dict__
+        if len(now) == len(before) and all(map(operator.is_, now.values(), before.values())):
+            continue  # the same names in the same order, each the same object (the usual case)
+        names = [name for name, value in now.items() if before.get(name, _ABSENT) is not value]
+        for name in [*names, *(before.keys() - now.keys())]:
+            then, current = before.get(name, _ABSENT), now.get(name, _ABSENT)
+            if type(then) in _PLAIN or type(current) in _PLAIN:
+                changed.append((module, name, current, then))
     for module, name, _, value in changed:
-        module.__dict__[name] = value
+        _put(module, name, value)
     try:
         yield
     finally:
         for module, name, now, _ in reversed(changed):
-            if now is _ABSENT:
-                module.__dict__.pop(name, None)
-            else:
-                module.__dict__[name] = now
+            _put(module, name, now)
+
+
+def _put(module: nn.Module, name: str, value: Any) -> None:
+    if value is _ABSENT:
+        module.__dict__.pop(name, None)
+    else:
+        module.__dict__[name] = value
 
 
 _ABSENT = object()
