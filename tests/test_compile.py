@@ -729,6 +729,26 @@ def test_a_compiled_causal_lm_runs_each_shape_in_the_chunks_planned_for_it() -> 
     torch.testing.assert_close(copied(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss)
 
 
+def test_a_compiled_mixture_of_experts_adds_its_router_loss_to_the_chunked_loss() -> None:
+    """A Mixtral's compiled base model returns its router logits beside its hidden states,
+    flat and in an order of the graph's own: the loss priced inside the backend read the
+    router logits as the hidden states and planning failed. Its loss, router loss
+    included, and gradients are now the unplanned model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, output_router_logits=True, use_cache=False)
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 2048, (2, 64))
+    batch = {"input_ids": ids, "labels": ids}
+    expected = own_loss_step(copy.deepcopy(model), batch)
+    backend = optremat.compile_backend(0.7, inner="aot_eager", time_limit=5)
+    optremat.compile_causal_lm(model, backend)
+    assert_same_step(expected, own_loss_step(model, batch))
+    assert backend.plans[0].chunking.chunks is not None and model(**batch).aux_loss > 0
+
+
 def test_compile_causal_lm_refuses_what_it_cannot_run() -> None:
     model, batch = tiny_llama()
     with pytest.raises(ValueError, match="transformers causal LM"):

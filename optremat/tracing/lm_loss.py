@@ -94,7 +94,7 @@ class CausalLMLoss:
             raise ValueError(f"num_items_in_batch must be None, a whole number >= 1 or a tensor, not {items!r}")
 
     def __call__(self, out: Any) -> torch.Tensor:
-        hidden = hidden_states(out)
+        hidden = hidden_states(out, self.labels.shape)
         if hidden.shape[:-1] != self.labels.shape:
             raise ValueError(f"labels of shape {list(self.labels.shape)} do not match the hidden states "
                              f"{list(hidden.shape)}: labels must have the hidden states' shape without the last "
@@ -177,12 +177,15 @@ def check_chunks(chunks: Any) -> None:
                          f"not {chunks!r}")
 
 
-def hidden_states(out: Any) -> torch.Tensor:
+def hidden_states(out: Any, tokens: torch.Size | None = None) -> torch.Tensor:
     """The final hidden states in a model's output: the tensor itself, its
-    `.last_hidden_state`, or the first element of a tuple or list."""
+    `.last_hidden_state`, or in a tuple or list the first tensor of `tokens`' shape but
+    for a last dimension, else its first element (a compiled graph returns a model's
+    outputs flat, a mixture of experts' router logits among them, in an order of its own)."""
     found = getattr(out, "last_hidden_state", None)
     if found is None and isinstance(out, (tuple, list)) and out:
-        found = out[0]
+        found = next((t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      and tokens is not None and t.shape[:-1] == tokens), out[0])
     found = out if found is None else found
     if not isinstance(found, torch.Tensor) or not found.is_floating_point() or found.dim() < 2:
         raise TypeError("CausalLMLoss needs the model's final hidden states [..., tokens, hidden]: a floating-point "
