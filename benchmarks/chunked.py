@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optremat
-from benchmarks.native import LLAMA, _time, compiled_plan
+from benchmarks.native import EXPERTS, LLAMA, _time, compiled_plan
 from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, hf_checkpointing, torch_budget_backend, under
 from optremat.compiler.backend import Backend
@@ -77,6 +77,14 @@ of those peaks and at 85%, 70% and 55% of the first; `optremat.compile_causal_lm
 head and loss run after it in the chunks the plan chooses) at each peer's peak. The least
 peaks and step times as for gpt-mini (`python -m benchmarks.chunked`)."""
 """The Llama page's description, after its command line."""
+MIXTRAL_PAGE = """The model is the Llama's shape as transformers' `MixtralForCausalLM` (4 experts, 2
+routed per token, transformers' own expert kernels, `output_router_logits=True`, so that
+its loss adds the router's load-balancing loss, as a Mixtral is trained), called as
+`model(input_ids=ids, labels=ids)`, its loss its own `outputs.loss`. optremat recognises
+its forward by its code (Mixtral's form in `optremat.tracing.causal_lm.TEMPLATES`) and
+runs its head and loss in the plan's chunks, the router's loss added as the forward adds
+it. Rows as on the Llama's page (`python -m benchmarks.chunked --model llama`)."""
+"""The Mixtral page's description, after its command line."""
 
 Step = Callable[[], Any]
 
@@ -149,14 +157,28 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
 
 def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
     """The Llama with its own loss, against transformers' own gradient checkpointing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return causal_lm("LlamaConfig", "LlamaForCausalLM", {}, rounds, limit, cost_model)
+
+
+def mixtral(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
+    """The Llama's shape as a Mixtral (`benchmarks.native.EXPERTS`) adding its router's loss."""
+    return causal_lm("MixtralConfig", "MixtralForCausalLM", {**EXPERTS["mixtral"], "output_router_logits": True},
+                     rounds, limit, cost_model)
+
+
+def causal_lm(config_class: str, model_class: str, extra: dict[str, Any], rounds: int, limit: float,
+              cost_model: str) -> tuple[list[str], list[list[str]]]:
+    """A transformers causal LM of the Llama's shape (`benchmarks.native.LLAMA`, with
+    `extra` in its config) with its own loss, against transformers' own gradient checkpointing."""
+    import transformers
 
     torch.manual_seed(0)
     shape = dict(LLAMA["cpu"])
     batch, seq = shape.pop("batch"), shape.pop("seq")
-    config = LlamaConfig(vocab_size=8192, max_position_embeddings=seq, attn_implementation="sdpa",
-                         tie_word_embeddings=True, use_cache=False, **shape)
-    model = LlamaForCausalLM(config).train()
+    config = getattr(transformers, config_class)(vocab_size=8192, max_position_embeddings=seq,
+                                                 attn_implementation="sdpa", tie_word_embeddings=True,
+                                                 use_cache=False, **shape, **extra)
+    model = getattr(transformers, model_class)(config).train()
     ids = torch.randint(0, 8192, (batch, seq))
     inputs = {"input_ids": ids, "labels": ids}
     params = list(model.parameters())
@@ -280,7 +302,9 @@ def gpt_small(rounds: int, limit: float, cost_model: str) -> tuple[list[str], li
 
 MODELS = {"gpt-mini": (gpt_mini, "chunked.md", "", None),
           "gpt-small": (gpt_small, "chunked_gpt_small.md", ": gpt-small", GPT_SMALL_PAGE),
-          "llama": (llama, "chunked_llama.md", ": a transformers Llama's own loss", LLAMA_PAGE)}
+          "llama": (llama, "chunked_llama.md", ": a transformers Llama's own loss", LLAMA_PAGE),
+          "mixtral": (mixtral, "chunked_mixtral.md", ": a transformers Mixtral's own loss, its router's included",
+                      MIXTRAL_PAGE)}
 """Each model's rows, page, title and description (None: this module's own)."""
 
 
