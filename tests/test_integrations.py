@@ -138,6 +138,9 @@ def test_planning_refuses_a_model_with_transformers_own_checkpointing() -> None:
     ids = torch.randint(0, 2000, (2, 128))
     with pytest.raises(ValueError, match="own activation checkpointing on.*gradient_checkpointing_disable"):
         optremat.plan(model, {"input_ids": ids, "labels": ids}, 0.8)
+    wrapper = torch.nn.ModuleDict({"lm": model})  # as PEFT's or a user's module holds it
+    with pytest.raises(ValueError, match="ModuleDict has transformers' own activation checkpointing on"):
+        optremat.plan(wrapper, {"input_ids": ids, "labels": ids}, 0.8)
 
 
 def refusal(accelerator: object) -> str:

@@ -352,3 +352,17 @@ def test_a_head_outside_the_model_is_refused(lm) -> None:
     model, idx, ids, _ = lm
     with pytest.raises(ValueError, match="not a parameter of HiddenGPT"):
         optremat.plan(model, (idx,), 1.0, loss_fn=CausalLMLoss(nn.Linear(32, 2048), ids))
+
+
+def test_the_hidden_states_are_found_among_flat_outputs_by_the_labels_shape() -> None:
+    """A compiled mixture of experts returns its router logits beside its hidden states,
+    in an order of the graph's own; several tensors shaped as hidden states, none first,
+    cannot be told apart and are refused."""
+    torch.manual_seed(0)
+    head, labels = nn.Linear(16, 32), torch.randint(0, 32, (2, 8))
+    hidden, router = torch.randn(2, 8, 16), torch.randn(16, 4)
+    loss = CausalLMLoss(head, labels)
+    torch.testing.assert_close(loss((router, hidden)), loss(hidden))
+    torch.testing.assert_close(loss((hidden, torch.randn(2, 8, 16))), loss(hidden))
+    with pytest.raises(ValueError, match="cannot tell which are the final hidden states"):
+        loss((router, hidden, torch.randn(2, 8, 16)))

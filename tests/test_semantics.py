@@ -676,29 +676,61 @@ class SetsTheCurrentLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
-            if block.shared is None:
+            shared = getattr(block, "inner", block).shared
+            if shared is None:
                 _CURRENT["layer"] = i
             else:
-                block.shared.index = i
+                shared.index = i
             x = block(x)
         return self.tail(x)
 
 
-@pytest.mark.parametrize("where", ["shared object", "global"])
+class Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("where", ["shared object", "global", "wrapped"])
 def test_a_call_reading_python_state_its_caller_changes_after_it_is_never_checkpointed(where: str) -> None:
     """Each block read the layer its caller set before it; checkpointed, its rerun in the
     backward read the last layer set, and the gradients of the first three blocks were
-    wrong. Now those calls are never checkpointed (the last block's state is at the
-    step's end what it began with)."""
+    wrong. Now those calls, and the calls around them, are never checkpointed (the last
+    block's state is, when the forward returns, what it began with)."""
     torch.manual_seed(0)
-    model = SetsTheCurrentLayer(_Layer() if where == "shared object" else None).double()
+    model = SetsTheCurrentLayer(None if where == "global" else _Layer()).double()
+    if where == "wrapped":
+        model.blocks = nn.ModuleList(Wrapped(block) for block in model.blocks)
     inputs = (torch.randn(256, 64, dtype=torch.float64),)
     reference = copy.deepcopy(model)
     plan = optremat.plan(model, inputs, 0.96, loss_fn=loss_fn, time_limit=5, deterministic=True)
-    assert plan.regions and not {r.path for r in plan.regions} & {"blocks.0", "blocks.1", "blocks.2"}
+    readers = {f"blocks.{i}{suffix}" for i in range(3) for suffix in ("", ".inner")}
+    assert plan.regions and not {r.path for r in plan.regions} & readers
     with pytest.raises(optremat.InfeasibleBudget, match=r"no plan checkpoints blocks.0 \(call 0\)"):
         optremat.plan(model, inputs, 0.5, loss_fn=loss_fn, time_limit=5, deterministic=True)
     assert_same(step(optremat.apply(model, plan), inputs), step(reference, inputs))
+
+
+_LOGGED: dict[str, float] = {}
+
+
+def test_what_the_loss_or_a_backward_hook_records_keeps_no_call_out_of_plans() -> None:
+    """A loss counting its calls in a global and a backward hook storing each block's
+    gradient norm on the block change state only after the model's forward returns: no
+    rerun reads it, and the blocks are planned as before."""
+    model, inputs = stateful_stack(lambda: mlp())
+    for block in model:
+        block.register_full_backward_hook(lambda m, gi, go: setattr(m, "grad_norm", go[0].norm()))
+
+    def counting(out: torch.Tensor) -> torch.Tensor:
+        _LOGGED["calls"] = _LOGGED.get("calls", 0) + 1
+        return loss_fn(out)
+
+    plan = optremat.plan(model, inputs, 0.8, loss_fn=counting, time_limit=5, deterministic=True)
+    assert plan.regions
 
 
 def test_a_call_writing_a_tensor_attribute_in_place_is_never_checkpointed() -> None:
@@ -1069,6 +1101,39 @@ def test_what_a_loop_changes_between_forward_and_backward_reaches_no_rerun(chang
             changed(model)
     else:
         assert_same(changed(model), changed(reference))
+
+
+class BiasedLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 64, bias=False)
+        self.bias = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) + self.bias
+
+
+def test_an_optimizer_stepping_inside_the_backward_trains_as_unplanned() -> None:
+    """PyTorch's optimizer fused into the backward (a hook run once each gradient is
+    accumulated) steps a call's last bias before the call reruns, with no recomputed value
+    reading it: the runtime's check of tensors written since the call refused it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[BiasedLast() for _ in range(3)]).double()
+    x = torch.randn(256, 64, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    optremat.apply(model, optremat.price_regions(model, (x,), [Region("1", 0)], loss_fn=loss_fn))
+
+    def fused(m: nn.Module) -> dict[str, torch.Tensor]:
+        steps = {p: torch.optim.SGD([p], lr=0.1) for p in m.parameters()}
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: steps[p].step())
+        loss_fn(m(x)).backward()
+        return {k: p.detach().clone() for k, p in m.named_parameters()}
+
+    got, want = fused(model), fused(reference)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-14, msg=name)
 
 
 def test_planning_passes_over_an_inference_tensor_attribute() -> None:

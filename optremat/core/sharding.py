@@ -99,10 +99,14 @@ def matcher(units: Sequence[str]) -> Callable[[str], bool]:
     return lambda path: any(p.match(path) for p in patterns)
 
 
-def unmatched(paths: Iterable[str], patterns: Sequence[str]) -> list[str]:
-    """The patterns of `patterns` that no module path of `paths` matches."""
+def check_matched(name: str, paths: Iterable[str], patterns: Sequence[str]) -> None:
+    """A ValueError naming the patterns of `patterns` (FSDP units) that no module path of
+    `paths` (in the model `name`) matches: a unit that matches nothing shards nothing."""
     paths = list(paths)
-    return [pattern for pattern in patterns if not any(map(matcher([pattern]), paths))]
+    missing = [pattern for pattern in patterns if not any(map(matcher([pattern]), paths))]
+    if missing:
+        raise ValueError(f"no module of {name} matches the FSDP units {missing} (module paths, '*' matching one path "
+                         "component, as in 'layers.*')")
 
 
 def unit_of(graph: Graph, units: Sequence[str], groups: Sequence[Sequence[str]] = ()) -> np.ndarray:

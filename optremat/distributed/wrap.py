@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from optremat.core.sharding import FSDP, Parallel, matcher, unmatched
+from optremat.core.sharding import FSDP, Parallel, check_matched, matcher
 
 
 def wrap(model: nn.Module, parallel: Parallel, **kwargs: Any) -> nn.Module:
@@ -33,9 +33,7 @@ def wrap(model: nn.Module, parallel: Parallel, **kwargs: Any) -> nn.Module:
 
 def _matching(model: nn.Module, patterns: tuple[str, ...]) -> list[nn.Module]:
     """The modules of `model` whose paths match `patterns` (none for none)."""
-    missing = unmatched((path for path, _ in model.named_modules() if path), patterns)
-    if missing:
-        raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {missing}")
+    check_matched(type(model).__name__, (path for path, _ in model.named_modules() if path), patterns)
     is_unit = matcher(patterns)
     return [module for path, module in model.named_modules() if path and is_unit(path)]
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from optremat.core.budget import ACCEPTED, check_budget, resolve_budget
 from optremat.core.graph import format_bytes
-from optremat.core.sharding import DDP, FSDP, Parallel, unmatched
+from optremat.core.sharding import DDP, FSDP, Parallel, check_matched
 from optremat.core.solution import Progress
 from optremat.ilp.composed import FrontierMemo
 from optremat.planners.solve import SOLVERS
@@ -82,16 +82,13 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         raise TypeError(f"plan needs the model as a torch.nn.Module, not {type(model).__name__}")
     _check(solver, parallel, budget, time_limit, workers)
     if isinstance(parallel, FSDP):
-        missing = unmatched((path for path, _ in model.named_modules() if path),
-                            [*parallel.units, *(pattern for group in parallel.groups for pattern in group)])
-        if missing:
-            raise ValueError(f"no module of {type(model).__name__} matches the FSDP units {missing} (module paths, "
-                             "'*' matching one path component, as in 'layers.*')")
+        check_matched(type(model).__name__, (path for path, _ in model.named_modules() if path),
+                      [*parallel.units, *(pattern for group in parallel.groups for pattern in group)])
     _check_callable(loss_fn=loss_fn, progress=progress)
     if own_checkpointing(model):
         raise ValueError(f"{type(model).__name__} has transformers' own activation checkpointing on, which a plan "
-                         "would run inside of, priced as if it were off: turn it off (gradient_checkpointing_disable()) "
-                         "and let the plan choose what to checkpoint")
+                         "would run inside of, priced as if it were off: turn it off "
+                         "(gradient_checkpointing_disable()) and let the plan choose what to checkpoint")
     own = own_head(model, example_inputs, loss_fn, head_chunks)
     if not model.training:
         warnings.warn(f"optremat: {type(model).__name__} is in eval mode (as transformers' from_pretrained returns "
@@ -182,10 +179,13 @@ def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any,
 
 
 def own_checkpointing(model: nn.Module) -> bool:
-    """Whether transformers' own activation checkpointing is on (its newer name first)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
+    """Whether transformers' own activation checkpointing is on in `model` or a model it
+    wraps (PEFT's, a user's), by its newer name first."""
+    for module in model.modules():
+        name = next((n for n in ("is_activation_checkpointing", "is_gradient_checkpointing")
+                     if hasattr(type(module), n)), None)
+        if name is not None and getattr(module, name):
+            return True
     return False
 
 

@@ -39,9 +39,6 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-if torch.distributed.is_available():
-    from torch.distributed.fsdp import FSDPModule
-
 from optremat.planners.regions import Region, parse_span
 from optremat.planning.native import runs_its_children
 from optremat.runtime.caller import warn
@@ -391,8 +388,7 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
             if owner._buffers.get(name) is not None]
     owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
     tensors = _tensors_of(owners, {(id(owner), name) for owner, name in buffers})
-    found = _Found(region.path, tensors, None if any(isinstance(o, _SHARDED) for o in owners) else
-                   [None if t.is_inference() else t._version for *_, t in tensors],
+    found = _Found(region.path, tensors, [None if _unchecked(t) else t._version for *_, t in tensors],
                    [(owner, dict(owner.__dict__)) for owner in owners])
     if not region.saved:
         return contextlib.nullcontext(), _Rerun(found, held, None)
@@ -402,18 +398,21 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
 
 _PLAIN = (bool, int, float, str, type(None))
 
-_SHARDED = (FSDPModule,) if torch.distributed.is_available() else ()
-"""FSDP2 gathers a unit's parameters again for its backward, copying into them in place:
-their version counters move with their values unchanged."""
+def _unchecked(tensor: torch.Tensor) -> bool:
+    """Whether a rerun leaves `tensor` unchecked for writes since its call: an inference
+    tensor keeps no version, and a parameter with a hook run once its gradient is
+    accumulated (an optimizer stepping it inside the backward, as PyTorch's tutorial does)
+    is written in the backward, before the rerun of a call whose last op adds it, with no
+    recomputed value reading it."""
+    return tensor.is_inference() or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 
 class _Found:
     """What one call of a region found as it started: the tensors its modules held, their
-    version counters (None under FSDP2; each None for an inference tensor, which keeps
-    none), and its modules' attributes (a copy of each `__dict__`: copied whole, as
+    version counters (None for those left unchecked, `_unchecked`), and its modules' attributes (a copy of each `__dict__`: copied whole, as
     picking out the plain values there took twice what the rest of a call's setup takes)."""
 
-    def __init__(self, path: str, tensors: "Tensors", versions: list[int | None] | None,
+    def __init__(self, path: str, tensors: "Tensors", versions: list[int | None],
                  attributes: list[tuple[nn.Module, dict[str, Any]]]) -> None:
         self.path = path
         self.tensors = tensors
@@ -422,7 +421,7 @@ class _Found:
 
     def check_unwritten(self) -> None:
         """Refuse a rerun reading a parameter or buffer written in place since the call ran."""
-        for (owner, kind, name, tensor), version in zip(self.tensors, self.versions or ()):
+        for (owner, kind, name, tensor), version in zip(self.tensors, self.versions):
             if version is not None and tensor._version != version:
                 what = "parameter" if kind == "_parameters" else "buffer"
                 raise RuntimeError(

@@ -551,12 +551,14 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
     random numbers (their state changed while it ran), which checkpoint does not restore,
     and to `stateful` each call that changes its module's Python state
     (`module_state.python_state`: a counter, a cache), which a rerun would change again,
-    and each call whose module's Python state is not at the step's end what the call
-    began with (a caller setting a shared object's "current layer" before each block):
-    its rerun in the backward would read what was set last."""
+    and each call whose module's Python state is not, when the model's forward returns,
+    what the call began with (a caller setting a shared object's "current layer" before
+    each block): its rerun in the backward, or that of a call around it, would read what
+    was set last. (What the loss or a backward hook changes later, a log of gradient
+    norms, no rerun reads.)"""
     stack: list[tuple[str, int]] = [("", 0)]
     states: list[Any] = []
-    began: list[tuple[tuple[str, int], nn.Module, Any]] = []
+    began: list[tuple[tuple[tuple[str, int], ...], nn.Module, Any]] = []
     count: dict[str, int] = {}
 
     def tag() -> None:
@@ -566,7 +568,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
             states.append((_host_random(), module_state.python_state(module)))
-            began.append((stack[-1], module, states[-1][1]))
+            began.append((tuple(stack[1:]), module, states[-1][1]))
             count[path] = count.get(path, 0) + 1
             if receives_cache(args, kwargs):
                 cached.add(stack[-1])
@@ -582,14 +584,22 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
         stack.pop()
         tag()
 
-    handles = []
+    def returned(model: nn.Module, args: Any, output: Any) -> None:
+        ends: dict[int, Any] = {}
+        for calls, module, python in began:
+            if id(module) not in ends:
+                ends[id(module)] = module_state.python_state(module)
+            if python != ends[id(module)]:
+                stateful.update(calls)
+        began.clear()
+
+    handles = [model.register_forward_hook(returned)]
     for path, module in model.named_modules():
         if path:
             handles.append(module.register_forward_pre_hook(enter(path), with_kwargs=True))
             handles.append(module.register_forward_hook(leave))
     try:
         yield stack
-        stateful.update(call for call, module, python in began if python != module_state.python_state(module))
     finally:
         for handle in handles:
             handle.remove()

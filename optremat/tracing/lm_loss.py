@@ -179,13 +179,21 @@ def check_chunks(chunks: Any) -> None:
 
 def hidden_states(out: Any, tokens: torch.Size | None = None) -> torch.Tensor:
     """The final hidden states in a model's output: the tensor itself, its
-    `.last_hidden_state`, or in a tuple or list the first tensor of `tokens`' shape but
-    for a last dimension, else its first element (a compiled graph returns a model's
-    outputs flat, a mixture of experts' router logits among them, in an order of its own)."""
+    `.last_hidden_state`, or in a tuple or list its first element, unless that is not of
+    `tokens`' shape but for a last dimension and one other element is (a compiled graph
+    returns a model's outputs flat, a mixture of experts' router logits among them, in
+    an order of its own); a ValueError where several others are and none can be told."""
     found = getattr(out, "last_hidden_state", None)
     if found is None and isinstance(out, (tuple, list)) and out:
-        found = next((t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()
-                      and tokens is not None and t.shape[:-1] == tokens), out[0])
+        found = out[0]
+        fits = [t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point() and tokens is not None
+                and t.shape[:-1] == tokens]
+        if tokens is not None and fits and not (isinstance(found, torch.Tensor) and found.shape[:-1] == tokens):
+            if len(fits) > 1:
+                raise ValueError(f"CausalLMLoss is handed {len(out)} outputs, {len(fits)} of them shaped as hidden "
+                                 "states for the labels and none first: it cannot tell which are the final hidden "
+                                 "states (return them first, or leave out output_hidden_states)")
+            found = fits[0]
     found = out if found is None else found
     if not isinstance(found, torch.Tensor) or not found.is_floating_point() or found.dim() < 2:
         raise TypeError("CausalLMLoss needs the model's final hidden states [..., tokens, hidden]: a floating-point "
