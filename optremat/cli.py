@@ -235,7 +235,7 @@ def _cache_command(args: argparse.Namespace) -> int:
 
 def _max_batch_command(args: argparse.Namespace) -> int:
     from optremat.core.budget import parse_size
-    from optremat.planners.batch import max_batch
+    from optremat.planners.batch import LIMIT, max_batch
     from optremat.planning.batch import batch_ways
 
     memory = parse_size(args.memory)
@@ -264,8 +264,9 @@ def _max_batch_command(args: argparse.Namespace) -> int:
         return 0
     way = f", LM head in {result.planned_with}" if result.planned_with else ""
     gain = f"{result.ratio:.2f}x" if result.unplanned else "not even batch 1 fits unplanned"
+    capped = f" (the search stops at batch {LIMIT}: a larger one may fit)" if result.planned >= LIMIT else ""
     print(f"{args.model} in {format_bytes(memory)}: batch {result.unplanned} unplanned, {result.planned} planned "
-          f"({gain}) at {result.planned_overhead:.1%} extra compute (cap {args.max_overhead:.0%}){way}")
+          f"({gain}) at {result.planned_overhead:.1%} extra compute (cap {args.max_overhead:.0%}){way}{capped}")
     return 0
 
 

@@ -352,3 +352,5 @@ def test_max_batch_refuses_a_negative_overhead_cap_and_says_when_not_even_batch_
     assert planned_only.returncode == 0, planned_only.stderr
     report = json.loads(planned_only.stdout)
     assert report["unplanned_batch"] == 0 and report["planned_batch"] >= 1 and report["ratio"] is None
+    capped = run("max-batch", "--model", "mlp-tiny", "--memory", "100TiB", "--time-limit", "0.02", "--deterministic")
+    assert capped.returncode == 0 and "the search stops at batch 1048576" in capped.stdout, capped.stdout

@@ -749,6 +749,28 @@ def test_a_compiled_mixture_of_experts_adds_its_router_loss_to_the_chunked_loss(
     assert backend.plans[0].chunking.chunks is not None and model(**batch).aux_loss > 0
 
 
+def test_a_graph_returning_a_norm_beside_its_output_compiles_with_eager_gradients() -> None:
+    """Norm's backward formula runs a masked_fill that reads no gradient, so it runs in
+    the forward; written over a dying input there (aot_eager shares), it kept AOTAutograd's
+    backward tag and PyTorch's extraction refused a mutating backward op in the forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(512, 64)
+
+    def run(m: torch.nn.Module) -> tuple:
+        h = m(x)
+        return h, h.norm()
+
+    def grads(f) -> list[torch.Tensor]:
+        h, norm = f(model)
+        return torch.autograd.grad(h.square().mean() + norm, list(model.parameters()))
+
+    compiled = torch.compile(run, backend=optremat.compile_backend(1.0, inner="aot_eager", time_limit=5),
+                             dynamic=False)
+    for got, want in zip(grads(compiled), grads(run), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_compile_causal_lm_refuses_what_it_cannot_run() -> None:
     model, batch = tiny_llama()
     with pytest.raises(ValueError, match="transformers causal LM"):

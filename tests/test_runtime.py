@@ -515,6 +515,28 @@ def test_replanning_gives_each_new_input_shape_its_own_plan(tmp_path) -> None:
     assert measured < measure_peak(step, resident=[params, larger]).peak_bytes
 
 
+def test_a_new_shape_is_planned_as_a_fresh_model_would_be() -> None:
+    """A new shape's trace runs inside a planned step, whose runtime counts the calls it
+    makes: read as the modules' own state, those counts kept every call out of the new
+    plan, the shape was refused as infeasible and ran the plan applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.0), nn.Linear(256, 64))
+                            for _ in range(4)])
+    fresh = copy.deepcopy(model)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    first, second = torch.randn(16, 32, 64), torch.randn(32, 48, 64)
+    replan = optremat.Replanning(budget=0.7, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    applied = optremat.plan(model, first, 0.7, loss_fn=loss_fn, time_limit=5)
+    optremat.apply(model, applied, replan=replan)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*running the plan applied")
+        for x in (first, second):
+            loss_fn(model(x)).backward()
+    made = list(replan.plans.values())[-1]
+    want = optremat.plan(fresh, second, 0.7, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert len(replan.plans) == 2 and made is not applied and made.regions == want.regions
+
+
 def test_a_shape_no_plan_fits_runs_the_plan_applied_with_a_warning() -> None:
     example = build("gpt-tiny")
     model, (idx,) = example.model, example.inputs

@@ -73,9 +73,13 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
         if event in shared:
             copy.target, out = out_variant(node.target)
             copy.kwargs = {**copy.kwargs, out: current[nodes[shared[event]]]}
+            # PyTorch's extraction keeps a mutating op in the forward unless it is tagged backward, and
+            # refuses one tagged so there (an op of a backward formula reading no gradient, norm's
+            # masked_fill, runs in the forward)
             if not in_forward:
-                # PyTorch's extraction keeps a mutating op in the forward unless it is tagged backward
                 copy.meta["partitioner_tag"] = "is_backward"
+            elif copy.meta.get("partitioner_tag") == "is_backward":
+                del copy.meta["partitioner_tag"]
         current[node] = copy
         first.setdefault(node, copy)
         if in_forward or (node.target is operator.getitem and copy.args[0] in forward):

@@ -64,8 +64,12 @@ def graph_at(small: Graph, large: Graph, b_small: int, b_large: int) -> Callable
     return at
 
 
+LIMIT = 1 << 20
+"""The largest batch `max_batch` tries by default."""
+
+
 def max_batch(graph_for: Callable[[int], Graph], memory: int, *, max_overhead: float = 0.25,
-              time_limit: float = 10.0, deterministic: bool = False, limit: int = 1 << 20,
+              time_limit: float = 10.0, deterministic: bool = False, limit: int = LIMIT,
               progress: Callable[[str, int, bool], None] | None = None,
               alternatives: Sequence[tuple[str, Callable[[int], Graph]]] = ()) -> BatchSearch:
     """Search the largest batch whose unplanned step fits `memory`, and the largest whose

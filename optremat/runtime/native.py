@@ -45,9 +45,9 @@ from optremat.runtime.caller import warn
 from optremat.tracing.extract import tracing
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.kv_cache import receives_cache
+from optremat.tracing.module_state import INSTALLED
 
-_RUNTIME = "_optremat_runtime"
-_REGION = "_optremat_region"
+_RUNTIME, _REGION = INSTALLED
 
 
 class PlanMismatch(ValueError):

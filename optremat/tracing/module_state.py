@@ -44,6 +44,10 @@ import torch.nn as nn
 
 _OWN = frozenset(nn.Module().__dict__)
 """The attributes every nn.Module has: parameters, buffers, submodules, hooks, mode."""
+INSTALLED = ("_optremat_runtime", "_optremat_region")
+"""The attributes an applied plan sets on modules (`optremat.runtime.native`), with the
+forward it installs: its own state, which a new shape's plan, traced inside a planned
+step, changes as it runs."""
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _GENERATOR_STATES: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]] = {
@@ -117,10 +121,19 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
     state; its class's and its forward's globals' plain values."""
     refreshed = next((names for kind, names in _REFRESHED.items() if isinstance(module, kind)), ())
     own = tuple((name, _entries(value)) for name, value in module.__dict__.items()
-                if name not in _OWN and name not in refreshed)
+                if not _ignored(name, value) and name not in refreshed)
     spaces = _namespaces([module])
     reached = tuple((id(value), _fingerprint(value)) for value in _reachable(*_roots([module], spaces, refreshed)))
     return own, reached, tuple(tuple(_plain_items(space).items()) for space in spaces)
+
+
+def _ignored(name: str, value: Any) -> bool:
+    """Whether a module's attribute is no state of the user's: one every nn.Module has, or
+    one an applied plan set (`INSTALLED`, and the forward it installed)."""
+    if name in _OWN or name in INSTALLED:
+        return True
+    inner = value.func if isinstance(value, functools.partial) else value
+    return name == "forward" and type(inner).__module__.partition(".")[0] == "optremat"
 
 
 def _roots(modules: Iterable[nn.Module], spaces: list[Any],
@@ -128,7 +141,7 @@ def _roots(modules: Iterable[nn.Module], spaces: list[Any],
     """What a walk starts from: the modules' own attributes, and the values in those of
     their `spaces` (`_namespaces`) that the user wrote."""
     own = [value for module in modules for name, value in module.__dict__.items()
-           if name not in _OWN and name not in skipped]
+           if not _ignored(name, value) and name not in skipped]
     return own, [value for space in spaces if _users(space)
                  for name, value in list(_namespace_items(space)) if not _dunder(name)]
 
@@ -342,7 +355,7 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     as an attribute on a GPU is not doubled there."""
     found = []
     for name, value in module.__dict__.items():
-        if name in _OWN:
+        if _ignored(name, value):
             continue
         kind = _kind(value)
         inside = [v for _, v in _items(value)] if kind is dict else _members(value) if kind is not None else ()
