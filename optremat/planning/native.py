@@ -314,8 +314,8 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     stateful = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) in traced.stateful_calls]
     if stateful:
         raise ValueError(f"{', '.join(stateful)} changes its module's Python state (an attribute it sets or counts), "
-                         "which a rerun would change again, or finds it changed by the step's end, so that a rerun "
-                         "would read another value: leave it out")
+                         "which a rerun would change again, or finds it changed when the model's forward returns, "
+                         "so that a rerun would read another value: leave it out")
     started = time.perf_counter()
     priced = price(rmap, *kept_of(rmap, regions), "given")
     lowered = {(g.path, g.call) for g in priced.lowering.regions}

@@ -409,8 +409,9 @@ def _unchecked(tensor: torch.Tensor) -> bool:
 
 class _Found:
     """What one call of a region found as it started: the tensors its modules held, their
-    version counters (None for those left unchecked, `_unchecked`), and its modules' attributes (a copy of each `__dict__`: copied whole, as
-    picking out the plain values there took twice what the rest of a call's setup takes)."""
+    version counters (None for those left unchecked, `_unchecked`), and a copy of each of
+    its modules' `__dict__` (copied whole: picking out the plain values there took twice
+    what the rest of a call's setup takes)."""
 
     def __init__(self, path: str, tensors: "Tensors", versions: list[int | None],
                  attributes: list[tuple[nn.Module, dict[str, Any]]]) -> None:

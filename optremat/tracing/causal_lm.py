@@ -297,12 +297,13 @@ def _form(defining: type) -> Form | None:
 
 @functools.cache
 def _shape(cls: type) -> tuple[str, str, tuple[str, ...], tuple[str, ...]] | None:
-    """The code of the forward `cls` defines as Python's parser reads it, without its
-    docstring, the type its base model's output is annotated with and the name of the
-    variable holding it, the base model's attribute, the class of its result and the
-    base model's outputs that passes on unchanged; then that attribute, the names of the
-    arguments the base model is handed, and the outputs passed on. None where the
-    forward's source cannot be read, or it calls no `self.<attribute>(...)` first."""
+    """`cls`'s forward as Python's parser reads it, without its docstring, and with what
+    may differ between forwards of one form made alike: the base model's attribute, the
+    variable holding its output and that output's annotated type, the class of the
+    result, and the base model's outputs the result passes on unchanged. Then the base
+    model's attribute, the names of the arguments handed to it, and the outputs passed
+    on. None where the source cannot be read, or no `self.<attribute>(...)` is called
+    into a variable."""
     try:
         function = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
