@@ -45,7 +45,7 @@ from optremat.runtime.caller import warn
 from optremat.tracing.extract import tracing
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.kv_cache import receives_cache
-from optremat.tracing.module_state import INSTALLED
+from optremat.tracing.module_state import INSTALLED, PLAIN
 
 _RUNTIME, _REGION = INSTALLED
 
@@ -396,8 +396,6 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
     return forward, _Rerun(found, held, recompute)
 
 
-_PLAIN = (bool, int, float, str, type(None))
-
 def _unchecked(tensor: torch.Tensor) -> bool:
     """Whether a rerun leaves `tensor` unchecked for writes since its call: an inference
     tensor keeps no version, and a parameter with a hook run once its gradient is
@@ -526,7 +524,7 @@ def _restored(attributes: list[tuple[nn.Module, dict[str, Any]]]) -> Iterator[No
         names = [name for name, value in now.items() if before.get(name, _ABSENT) is not value]
         for name in [*names, *(before.keys() - now.keys())]:
             then, current = before.get(name, _ABSENT), now.get(name, _ABSENT)
-            if type(then) in _PLAIN or type(current) in _PLAIN:
+            if type(then) in PLAIN or type(current) in PLAIN:
                 changed.append((module, name, current, then))
     for module, name, _, value in changed:
         _put(module, name, value)

@@ -49,7 +49,8 @@ INSTALLED = ("_optremat_runtime", "_optremat_region")
 forward it installs: its own state, which a new shape's plan, traced inside a planned
 step, changes as it runs."""
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+PLAIN = (type(None), bool, int, float, complex, str, bytes)
+"""The types of plain values, compared and kept by value."""
 _GENERATOR_STATES: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]] = {
     random.Random: (random.Random.getstate, random.Random.setstate),
     np.random.Generator: (lambda g: g.bit_generator.state, lambda g, state: setattr(g.bit_generator, "state", state)),
@@ -201,7 +202,7 @@ def _globals_of(value: Any) -> dict[str, Any] | None:
 
 def _plain_items(space: Any) -> dict[str, Any]:
     return {name: value for name, value in list(_namespace_items(space))
-            if isinstance(value, _PLAIN) and not _dunder(name)}
+            if isinstance(value, PLAIN) and not _dunder(name)}
 
 
 def _dunder(name: str) -> bool:
@@ -229,7 +230,7 @@ def _reachable(own: Iterable[Any], shared: Iterable[Any] = ()) -> list[Any]:
     todo, queued = deque(first + then), {True: len(first), False: len(then)}
     while todo:
         value, whole = todo.popleft()
-        if id(value) in seen or id(value) in namespaces or isinstance(value, _PLAIN + _OPAQUE):
+        if id(value) in seen or id(value) in namespaces or isinstance(value, PLAIN + _OPAQUE):
             continue
         seen.add(id(value))
         kind, room = _kind(value), limits[whole] - queued[whole]
@@ -364,7 +365,7 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _identity(value: Any) -> Any:
-    return value if isinstance(value, _PLAIN) else ("id", id(value))
+    return value if isinstance(value, PLAIN) else ("id", id(value))
 
 
 _ENDS = 64
