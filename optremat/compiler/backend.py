@@ -33,8 +33,10 @@ from optremat.compiler.torch_partitions import FRACTIONS, RIVALS, Rival, torch_k
 from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
 from optremat.core.graph import Graph, format_bytes
 from optremat.core.order import best_order, sunk_views
-from optremat.core.schedule import Schedule, keep_all, kept_for_backward, simulate, without_recomputing, without_unread
+from optremat.core.schedule import (Schedule, SimResult, from_kept, keep_all, kept_for_backward, simulate,
+                                    without_recomputing, without_unread)
 from optremat.core.solution import FEASIBLE, OPTIMAL
+from optremat.ilp.kept_blocks import block_options, compose, find_blocks
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
 from optremat.planning.chunking import choices, solve_chunked
@@ -49,6 +51,8 @@ INNER = ("inductor", "aot_eager")
 GRACE = 1.0
 """Seconds the solver's own plan may be filled for when its search used up the time limit."""
 ORDERS = ("traced", "best")
+COMPOSE_SECONDS = 2.0
+"""The most seconds one block's options take to solve (`kept_blocks.block_options`)."""
 
 
 @dataclass(eq=False)
@@ -166,8 +170,9 @@ class Partitioner(CustomPartitionerFn):
     def _solve(self, step: JointStep, budget_bytes: int, rival: Rival, book: str | None, time_limit: float
                ) -> Plan:
         """The solver's plan priced as compiled (`_solved`). With solver "auto", the
-        cheapest plan that fits wins among it, PyTorch's own partitions of the graph
-        (`rival`, each priced as compiled) and the plans found for the same graph at
+        cheapest plan that fits wins among it, the keep set composed over the step's alike
+        blocks (`_composed`), PyTorch's own partitions of the graph (`rival`, each priced
+        as compiled) and the plans found for the same graph at
         other budgets in this process (`known`, under the key `book`; none when
         `deterministic`, whose plans must not depend on what was compiled before), each
         with recomputed tensors kept again while it fits (`_filled`): a partition PyTorch
@@ -176,10 +181,10 @@ class Partitioner(CustomPartitionerFn):
         filled is priced +3.29%, its 0.5 partition filled +4.38%). When none fits, the
         least-peak plan of the heuristics' and those others' is the last try, and its peak
         the smallest budget named: compiling again at it always finds that plan. Unless
-        `deterministic`, no rival partition but the first is begun and no filling goes on
-        past the time limit (the solver's own plan gets GRACE seconds): on a 32-layer Llama
-        PyTorch's partitions took 3-8 s each, and the 11 of them, filled, 110 s on a 10 s
-        limit."""
+        `deterministic`, no rival partition is begun (but the first when nothing fits yet)
+        and no filling goes on past the time limit (the solver's own plan gets GRACE
+        seconds): on a 32-layer Llama PyTorch's partitions took 3-8 s each, and the 11 of
+        them, filled, 110 s on a 10 s limit."""
         started = time.perf_counter()
         deadline = None if self.deterministic else started + time_limit
         graph = self._ordered(step)
@@ -221,19 +226,22 @@ class Partitioner(CustomPartitionerFn):
 
     def _rivals(self, step: JointStep, graph: Graph, rival: Rival, budget_bytes: int, deadline: float | None
                 ) -> tuple[list[Plan], list[Plan]]:
-        """PyTorch's own partitions of the graph (`rival`), none but the first begun past
-        `deadline`, each priced as compiled (a keep set found at several fractions once),
-        and those that fit filled up to the budget as they come (`_fitting`), in the order
-        `_next_fraction` gives: toward the largest fraction that fits, which filling
-        usually makes the cheapest."""
+        """PyTorch's own partitions of the graph (`rival`), each priced as compiled (a keep
+        set found at several fractions once), and those that fit filled up to the budget
+        as they come (`_fitting`), in the order `_next_fraction` gives: toward the largest
+        fraction that fits, which filling usually makes the cheapest. The plan composed
+        over the step's alike blocks (`_composed`) is made first and fits with them; past
+        `deadline` no partition is begun, but the first when nothing fits yet (on a
+        64-layer Llama one partition took 10.6 s)."""
+        composed = self._composed(step, graph, budget_bytes, deadline)
+        fitting = self._fitting(step, composed, budget_bytes, deadline)
         pending = list(FRACTIONS)
         share = budget_bytes / simulate(graph, keep_all(graph)).peak_bytes
         fits: list[float] = []
         fails: list[float] = []
         priced: list[tuple[float, Plan]] = []
-        fitting: list[Plan] = []
         seen: set[bytes] = set()
-        while pending and (not priced or deadline is None or time.perf_counter() < deadline):
+        while pending and ((not priced and not fitting) or deadline is None or time.perf_counter() < deadline):
             fraction = _next_fraction(pending, share, fits, fails)
             pending.remove(fraction)
             kept = rival(graph, fraction)
@@ -246,7 +254,29 @@ class Partitioner(CustomPartitionerFn):
             priced.append((fraction, plan))
             fitting += self._fitting(step, [plan], budget_bytes, deadline)
             (fits if plan.predicted_peak_bytes <= budget_bytes else fails).append(fraction)
-        return [plan for _, plan in sorted(priced, key=lambda item: -item[0])], fitting
+        return composed + [plan for _, plan in sorted(priced, key=lambda item: -item[0])], fitting
+
+    def _composed(self, step: JointStep, graph: Graph, budget_bytes: int, deadline: float | None) -> list[Plan]:
+        """The plan of the keep set composed over the step's longest chain of alike blocks
+        (`kept_blocks`: one block solved for its options, each block given one, every
+        choice priced as compiled) that fits the budget; none when the step has no such
+        chain or no choice fits."""
+        blocks = find_blocks(graph)
+        limit = min(COMPOSE_SECONDS, self.time_limit / 4)
+        options = [] if blocks is None else block_options(graph, blocks, self._fixed(step, graph), limit,
+                                                          self.deterministic)
+        if not options:
+            return []
+
+        def price(kept: np.ndarray) -> tuple[int, float]:
+            result = self._run(step, graph, from_kept(graph, kept, reuse=True))[1]
+            return result.peak_bytes, result.overhead
+
+        kept = compose(blocks, options, np.ones(graph.n, dtype=bool), budget_bytes, price, deadline)
+        if kept is None:
+            return []
+        name = f"{len(blocks.nodes)} blocks of {blocks.prefix or 'the model'} composed"
+        return [self._as_compiled(step, kept_plan(graph, kept, name, share=self.share))]
 
     def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float, time_limit: float
                 ) -> Plan | None:
@@ -308,17 +338,20 @@ class Partitioner(CustomPartitionerFn):
         computation kept instead), reruns nothing reads dropped, computations shared where
         the graphs can, priced (with `inline`, as Inductor runs it: `inductor.priced`)."""
         planned = found.graph
-        schedule = without_unread(planned, without_recomputing(planned, found.schedule, self._fixed(step, planned)))
-        if self.inline:
-            result = priced(step, planned, schedule)
-        else:
-            result = simulate(planned, schedule, share=self._shares(step, planned, schedule))
+        schedule, result = self._run(step, planned, found.schedule)
         dropped = len(schedule.node) < len(found.schedule.node)
         return replace(found, schedule=schedule, status=FEASIBLE if dropped and found.status == OPTIMAL else found.status,
                        predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead,
                        solver_overhead=result.overhead, lower_bound=None, shared=tuple(sorted(result.shared.items())),
                        loss="priced by loss_fn on the outputs that take a gradient" if self.loss_fn else
                        "not given: priced as a cross-entropy over the last dimension of the largest output")
+
+    def _run(self, step: JointStep, graph: Graph, schedule: Schedule) -> tuple[Schedule, SimResult]:
+        """`schedule` as the compiled graphs run it (see `_as_compiled`) and its price."""
+        schedule = without_unread(graph, without_recomputing(graph, schedule, self._fixed(step, graph)))
+        if self.inline:
+            return schedule, priced(step, graph, schedule)
+        return schedule, simulate(graph, schedule, share=self._shares(step, graph, schedule))
 
     @staticmethod
     def _fixed(step: JointStep, graph: Graph) -> np.ndarray:

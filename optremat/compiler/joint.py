@@ -17,7 +17,8 @@ start.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
@@ -34,6 +35,9 @@ from optremat.runtime.ops import is_random
 from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost
 from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, LossPrice, assumed_loss, mutated_inputs,
                                       output_loss_price, to_graph)
+
+_DYNAMO_ROOT = re.compile(r"^L(\[[^\]]*\])+")
+_SUBSCRIPT = re.compile(r"(?:\._modules)?\[['\"]?([^'\"\]]*)['\"]?\]")
 
 LOSS = "optremat_loss"
 """The name of the Graph node that stands for the loss."""
@@ -112,6 +116,7 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
              else {n.name: roofline_cost(n, profile) for n in others})
     backward = set(tangents) | (set(others) - forward)
     graph = to_graph(ordered, kinds, [], costs, kept, backward.__contains__)
+    graph = replace(graph, module=tuple(_module_path(n) for n in ordered))
     mutated = _mutated_inputs(joint, primals)
     fixed = [is_random(n) or bool(mutated_inputs(n)) or _reads_stale(n, mutated) or _is_tangent(n) for n in ordered]
     if tangents:
@@ -185,6 +190,17 @@ def _with_node(graph: Graph, at: int, *, name: str, op: str, kind: str, size: in
                        alias_of=column([shifted(a) if a >= 0 else -1 for a in graph.alias_of.tolist()], -1),
                        output=column(graph.output, output), edges=edges, fusible=column(graph.fusible, False),
                        workspace=column(graph.workspace, workspace), tensor=column(graph.tensor, ""))
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """The path of the innermost module that ran `node` in the compiled model
+    (`model.layers.3.mlp`), from Dynamo's record of it; "" for ops outside any (the
+    backward's among them)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = _DYNAMO_ROOT.sub("", list(stack.values())[-1][0])
+    return _SUBSCRIPT.sub(lambda m: "." + m.group(1), path).lstrip(".")
 
 
 def _mutated_inputs(joint: torch.fx.GraphModule, primals: list[torch.fx.Node]) -> set[torch.fx.Node]:
