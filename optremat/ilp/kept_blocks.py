@@ -177,18 +177,13 @@ class _BlockProblem:
         recompute = sum(c * (a - k) for c, a, k in zip(self.cost, available, kept))
         if cap is not None:
             model.add(size <= cap)
+            model.minimize(recompute * (sum(self.unit_size.values()) + 1) + size)
+        else:
+            model.minimize(size * (sum(self.cost) + 1) + recompute)
         solver = cp_model.CpSolver()
-        previous = None
-        for objective in [size, recompute] if cap is None else [recompute, size]:
-            if previous is not None:
-                model.add(previous <= round(solver.objective_value))
-                for var in kept + available:
-                    model.add_hint(var, solver.boolean_value(var))
-            model.minimize(objective)
-            configured(solver)
-            if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                return None
-            previous = objective
+        configured(solver)
+        if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
         return np.array([solver.boolean_value(k) for k in kept], dtype=bool)
 
 
