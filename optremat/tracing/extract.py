@@ -274,11 +274,25 @@ def output_loss_price(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, devic
     (tensors, real or fake, whose `requires_grad` says which take a gradient): the bytes
     it holds at its peak beyond the output, which the caller holds through the backward
     (`out = model(x)`; the output's gradient counts as the loss's own), and its cost."""
-    graph = trace(_Output(out), (), loss_fn, device=device, cost_model=cost_model).graph
+    graph = _ended(trace(_Output(out), (), loss_fn, device=device, cost_model=cost_model).graph)
     held = np.unique(graph.storage_root[graph.pinned])
     outside = _outside_leaves(out, loss_fn)
     return LossPrice(max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0),
                      graph.total_cost, sum(t.numel() * t.element_size() for t in outside), outside)
+
+
+def _ended(graph: Graph) -> Graph:
+    """`graph` and after its last node one that does nothing. A tensor is held into the
+    stage after its `lives_to` (`Graph.held_until`), which past the last node does not
+    exist: the temporaries of a backward formula ending the graph (`y.square()`'s:
+    `grad * (2 * y.pow(1))`, each held until the product returns) were dropped before
+    its last op, and a loss's price fell one output short of what eager holds."""
+    return Graph.build(names=[*graph.names, "end"], ops=[*graph.ops, "end"], cost=[*graph.cost, 0.0],
+                       size=[*graph.size, 0], backward=[*graph.backward, True], kind=[*graph.kind, "op"],
+                       module=[*graph.module, ""], alias_of=[*graph.alias_of, -1], output=[*graph.output, False],
+                       edges=[tuple(e) for e in graph.edges.tolist()], fusible=[*graph.fusible, False],
+                       workspace=[*graph.workspace, 0], tensor=[*graph.tensor, ""] if graph.tensor else None,
+                       held=[*graph.held, 0], lives_to=[*graph.lives_to, -1])
 
 
 def _outside_leaves(out: Any, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[torch.Tensor, ...]:
