@@ -408,6 +408,39 @@ def test_alike_blocks_compose_a_keep_set_that_trains_as_eager_at_its_priced_peak
     assert peak_of(model, compiled, inputs, loss_fn) <= plan.predicted_peak_bytes * 1.02
 
 
+def test_a_dropout_whose_input_the_backward_holds_is_not_rerun_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With eager's random numbers under compile (`fallback_random`), a plan saving a
+    dropout's input for another reader left PyTorch's extraction a dropout to rerun,
+    unread, in the backward: it drew from the generator every step, and training parted
+    from torch.compile's from the second step on."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fallback_random", True)
+
+    def train(backend) -> tuple[list[float], list[bool]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                    torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(256, 8))
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, drew = [], []
+        for _ in range(3):
+            loss = compiled(torch.randn(512, 64)).square().mean()
+            before = torch.get_rng_state()
+            loss.backward()
+            drew.append(not torch.equal(before, torch.get_rng_state()))
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses, drew
+
+    expected, _ = train("aot_eager")
+    losses, drew = train(optremat.compile_backend(0.9, inner="aot_eager", deterministic=True, time_limit=5))
+    assert losses == expected
+    assert not any(drew)
+
+
 def test_a_time_limit_spent_before_the_rivals_start_still_lets_pytorchs_nearest_partition_compete() -> None:
     """PyTorch's partitions are begun only within the time limit, but the first always
     is: with the limit out before any starts, the one nearest the budget still competes,

@@ -26,7 +26,7 @@ from torch.utils._pytree import arg_tree_leaves
 from optremat.compiler.joint import JointStep
 from optremat.core.graph import Graph
 from optremat.core.schedule import Schedule
-from optremat.runtime.ops import out_variant
+from optremat.runtime.ops import is_random, out_variant
 from optremat.tracing.extract import depending_on
 
 
@@ -100,4 +100,19 @@ def partition(joint: fx.GraphModule, step: JointStep, graph: Graph, schedule: Sc
     scheduled = fx.GraphModule(joint, new)
     fw_module, bw_module = _extract_fwd_bwd_modules(scheduled, list(saved), saved_sym_nodes=[],
                                                     num_fwd_outputs=num_fwd_outputs)
-    return raise_getitems(fw_module), raise_getitems(bw_module)
+    return raise_getitems(_without_unread_random(fw_module)), raise_getitems(_without_unread_random(bw_module))
+
+
+def _without_unread_random(module: fx.GraphModule) -> fx.GraphModule:
+    """`module` without the random ops whose results nothing reads. PyTorch's extraction
+    copies into a module every op whose inputs it holds, then drops those nothing reads,
+    but for random ops, which it must keep: a backward holding a dropout's input (saved
+    for another reader) reran the dropout, unread, and drew from the generator every
+    step, so every later random number differed from the unplanned step's."""
+    graph = module.graph
+    for node in reversed(list(graph.nodes)):
+        unread = node.op == "call_function" and not node.users
+        if unread and (is_random(node) or (node.target is operator.getitem and is_random(node.args[0]))):
+            graph.erase_node(node)
+    module.recompile()
+    return module
