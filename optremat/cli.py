@@ -149,13 +149,13 @@ def _check_source(args: argparse.Namespace) -> None:
 def _check_plan_options(args: argparse.Namespace) -> None:
     """Refuse what `plan` cannot serve before loading, tracing or solving anything."""
     from optremat.core.budget import check_budget
+    from optremat.ilp.search import check_search
 
     _check_source(args)
     check_budget(args.budget)
     if not math.isfinite(args.time_limit) or args.time_limit <= 0:
         raise ValueError(f"--time-limit must be a number of seconds > 0, not {args.time_limit:g}")
-    if args.workers < 0:
-        raise ValueError(f"--workers must be >= 0 (0: all cores), not {args.workers}")
+    check_search(args.workers, args.seed, prefix="--")
     _check_target(args.save, "--save")
 
 

@@ -41,6 +41,18 @@ def test_bad_inputs_exit_2_with_one_line():
     assert unknown.stderr.strip().count("\n") == 0
 
 
+def test_a_malformed_graph_file_exits_2_with_one_line(tmp_path):
+    assert run("graph", "--model", "mlp-tiny", "--save", str(tmp_path / "g.json")).returncode == 0
+    saved = json.loads((tmp_path / "g.json").read_text())
+    for name, content in (("list", []), ("null", None), ("ints", {"nodes": [1], "links": []}),
+                          ("sizes", {**saved, "size": None}), ("cost", {**saved, "cost": 5}),
+                          ("huge", {**saved, "held": [10**30] * len(saved["held"])})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+        result = run("graph", "--graph", str(tmp_path / f"{name}.json"))
+        assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, (name, result.stderr)
+        assert "graph" in result.stderr, (name, result.stderr)
+
+
 def test_a_node_link_graph_file(tmp_path):
     from tests.test_graph import checkmate_flavour
 
@@ -226,7 +238,9 @@ def test_plan_refuses_bad_options_with_one_line_before_loading_the_model(tmp_pat
     monkeypatch.setattr(optremat.models, "load", load)
     plan = ("plan", "--budget", "0.9")
     for args, says in ((("--model", ""), "--model is empty"), (("--graph", " "), "--graph is empty"),
-                       (("--model", "mlp-tiny", "--workers", "-3"), "--workers must be >= 0"),
+                       (("--model", "mlp-tiny", "--workers", "-3"), "--workers must be a whole number from 0"),
+                       (("--model", "mlp-tiny", "--workers", "100000"), "--workers must be a whole number from 0"),
+                       (("--model", "mlp-tiny", "--seed", str(2**31)), "--seed must be a whole number from"),
                        (("--model", "mlp-tiny", "--time-limit", "0"), "--time-limit must be a number of seconds > 0"),
                        (("--model", "mlp-tiny", "--time-limit", "nan"), "--time-limit must be"),
                        (("--model", "mlp-tiny", "--save", str(tmp_path / "no" / "plan.json")),

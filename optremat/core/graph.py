@@ -349,7 +349,10 @@ class Graph:
         if data.get("version") != FORMAT_VERSION:
             raise GraphError(f"graph format version {data.get('version')} is not supported (this optremat reads {FORMAT_VERSION})")
         columns = {k: v for k, v in data.items() if k not in ("format", "version")}
-        return cls.build(**columns)
+        try:
+            return cls.build(**columns)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise GraphError(f"malformed graph columns: {error}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))

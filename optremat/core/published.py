@@ -18,9 +18,16 @@ from optremat.core.graph import Graph, GraphError
 def load(path: str | Path) -> Graph:
     """Load an optremat graph file or a published benchmark graph (node-link JSON)."""
     data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise GraphError(f"not a graph: expected a JSON object, found {json.dumps(data)[:40]}")
     if data.get("format") == "optremat.graph":
         return Graph.from_json(data)
-    return from_node_link(data)
+    try:
+        return from_node_link(data)
+    except (TypeError, KeyError, AttributeError, ValueError, IndexError) as error:
+        if isinstance(error, GraphError):
+            raise
+        raise GraphError(f"malformed node-link graph: {type(error).__name__} {error}") from None
 
 
 def from_node_link(data: dict[str, Any]) -> Graph:

@@ -3,6 +3,7 @@ sized to the model, and restarts of a stalled search from its best plan."""
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
@@ -41,6 +42,19 @@ def presolve_for(model: IntervalModel, hinted: bool) -> str:
     if model.graph.n > PRESOLVE_LIMIT:
         return "none"
     return "light" if len(model.model.proto.variables) > LIGHT_PRESOLVE_VARIABLES else "full"
+
+
+MAX_WORKERS = 10_000
+"""The most CP-SAT workers a search is given: 100,000 made CP-SAT reject the model."""
+
+
+def check_search(workers: object, seed: object, prefix: str = "") -> None:
+    """Refuse worker counts and seeds CP-SAT cannot take (its seed is a 32-bit integer),
+    naming them with `prefix` (the command line's "--")."""
+    for name, value, low, high in (("workers", workers, 0, MAX_WORKERS), ("seed", seed, -2**31, 2**31 - 1)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+            raise ValueError(f"{prefix}{name} must be a whole number from {low:,} to {high:,}"
+                             f"{' (0: all cores)' if name == 'workers' else ''}, not {value!r}")
 
 
 def configure(solver: cp_model.CpSolver, time_limit: float, started: float, workers: int, seed: int,

@@ -24,6 +24,7 @@ from optremat.core.graph import format_bytes
 from optremat.core.sharding import DDP, FSDP, Parallel, check_matched
 from optremat.core.solution import Progress
 from optremat.ilp.composed import FrontierMemo
+from optremat.ilp.search import check_search
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
 from optremat.planning.chunking import choices, head_name, solve_chunked
@@ -80,7 +81,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan needs the model as a torch.nn.Module, not {type(model).__name__}")
-    _check(solver, parallel, budget, time_limit, workers)
+    _check(solver, parallel, budget, time_limit, workers, seed)
     if isinstance(parallel, FSDP):
         check_matched(type(model).__name__, (path for path, _ in model.named_modules() if path),
                       [*parallel.units, *(pattern for group in parallel.groups for pattern in group)])
@@ -158,7 +159,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         return result
 
 
-def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any, workers: Any) -> None:
+def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any, workers: Any, seed: Any
+           ) -> None:
     """Refuse a request `plan` cannot serve before tracing anything: the budget's form
     (whether it fits needs the graph), the solver and its options, the parallel job."""
     check_budget(budget)
@@ -167,8 +169,7 @@ def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any,
     if (isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real)
             or not math.isfinite(time_limit) or time_limit <= 0):
         raise ValueError(f"time_limit must be a finite number of seconds > 0, not {time_limit!r}")
-    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
-        raise ValueError(f"workers must be a whole number >= 0 (0: all cores), not {workers!r}")
+    check_search(workers, seed)
     if parallel is None:
         return
     if not isinstance(parallel, (FSDP, DDP)):
