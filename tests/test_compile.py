@@ -408,14 +408,12 @@ def test_alike_blocks_compose_a_keep_set_that_trains_as_eager_at_its_priced_peak
     assert peak_of(model, compiled, inputs, loss_fn) <= plan.predicted_peak_bytes * 1.02
 
 
-def test_a_dropout_whose_input_the_backward_holds_is_not_rerun_there(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dropout_whose_input_the_backward_holds_is_not_rerun_there() -> None:
     """With eager's random numbers under compile (`fallback_random`), a plan saving a
     dropout's input for another reader left PyTorch's extraction a dropout to rerun,
     unread, in the backward: it drew from the generator every step, and training parted
     from torch.compile's from the second step on."""
     import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "fallback_random", True)
 
     def train(backend) -> tuple[list[float], list[bool]]:
         torch._dynamo.reset()
@@ -435,8 +433,9 @@ def test_a_dropout_whose_input_the_backward_holds_is_not_rerun_there(monkeypatch
             optimizer.zero_grad()
         return losses, drew
 
-    expected, _ = train("aot_eager")
-    losses, drew = train(optremat.compile_backend(0.9, inner="aot_eager", deterministic=True, time_limit=5))
+    with inductor_config.patch(fallback_random=True):
+        expected, _ = train("aot_eager")
+        losses, drew = train(optremat.compile_backend(0.9, inner="aot_eager", deterministic=True, time_limit=5))
     assert losses == expected
     assert not any(drew)
 
