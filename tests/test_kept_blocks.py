@@ -135,11 +135,8 @@ def _recomputed(graph: Graph, nodes: np.ndarray, option: Option) -> set[int]:
     return recomputed
 
 
-def _simulated(graph: Graph):
-    def price(kept: np.ndarray) -> tuple[int, float]:
-        result = simulate(graph, from_kept(graph, kept, reuse=True))
-        return result.peak_bytes, result.overhead
-    return price
+def _simulated(graph: Graph, kept: np.ndarray):
+    return simulate(graph, from_kept(graph, kept, reuse=True))
 
 
 @settings(max_examples=25, deadline=None)
@@ -148,18 +145,17 @@ def test_a_composed_keep_set_fits_its_budget_or_none_of_the_least_does(fraction:
     graph = block_chain(6)
     blocks = find_blocks(graph)
     options = block_options(graph, blocks, np.zeros(graph.n, dtype=bool))
-    price = _simulated(graph)
     base = np.ones(graph.n, dtype=bool)
-    budget = int(price(base)[0] * fraction)
-    kept = compose(blocks, options, base, budget, price)
+    budget = int(_simulated(graph, base).peak_bytes * fraction)
+    kept = compose(blocks, options, base, budget, lambda k: _simulated(graph, k).peak_bytes)
     least = base.copy()
     for nodes in blocks.nodes:
         least[nodes] = options[-1].kept
-    if price(least)[0] > budget:
+    if _simulated(graph, least).peak_bytes > budget:
         assert kept is None
     else:
-        assert kept is not None and price(kept)[0] <= budget
-        assert price(kept)[1] <= price(least)[1]
+        assert kept is not None and _simulated(graph, kept).peak_bytes <= budget
+        assert _simulated(graph, kept).cost <= _simulated(graph, least).cost
 
 
 @settings(max_examples=25, deadline=None)
@@ -172,11 +168,10 @@ def test_composition_finds_the_cheapest_level_when_peaks_grow_as_the_bytes_kept(
     blocks = Blocks("layers", np.arange(4 * count).reshape(count, 4))
     levels = _levels(sizes, count)
 
-    def price(kept: np.ndarray) -> tuple[int, float]:
-        held = sum(options[next(i for i, o in enumerate(options) if (o.kept == row).all())].bytes
-                   for row in kept[blocks.nodes])
-        return 1000 + held, -held
+    def peak(kept: np.ndarray) -> int:
+        return 1000 + sum(options[next(i for i, o in enumerate(options) if (o.kept == row).all())].bytes
+                          for row in kept[blocks.nodes])
 
     budget = 1000 + int(fraction * levels[-1][0])
-    kept = compose(blocks, options, np.zeros(4 * count, dtype=bool), budget, price)
-    assert price(kept)[0] == 1000 + max(k for k, _, _ in levels if 1000 + k <= budget)
+    kept = compose(blocks, options, np.zeros(4 * count, dtype=bool), budget, peak)
+    assert peak(kept) == 1000 + max(k for k, _, _ in levels if 1000 + k <= budget)

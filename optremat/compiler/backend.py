@@ -280,9 +280,8 @@ class Partitioner(CustomPartitionerFn):
         if not options:
             return []
 
-        def price(kept: np.ndarray) -> tuple[int, float]:
-            result = self._run(step, graph, from_kept(graph, kept, reuse=True))[1]
-            return result.peak_bytes, result.overhead
+        def price(kept: np.ndarray) -> int:
+            return self._run(step, graph, from_kept(graph, kept, reuse=True))[1].peak_bytes
 
         kept = compose(blocks, options, np.ones(graph.n, dtype=bool), budget_bytes, price, deadline)
         if kept is None:

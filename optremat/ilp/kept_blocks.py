@@ -39,6 +39,8 @@ MIN_BLOCKS = 4
 CAPS = 12
 """Caps on the bytes a block keeps, evenly from the least to what keeping every tensor
 its backward reads holds; each solved for the cheapest keep set under it."""
+PROBES = 6
+"""The most levels `compose` prices between the smallest and the largest."""
 SCALE = 10**6
 """Recompute costs are scaled to integers of this resolution relative to the largest."""
 _INDEXED = re.compile(r"^(?:(.*?)\.)??(\d+)(?:\.|$)")
@@ -187,14 +189,15 @@ class _BlockProblem:
         return np.array([solver.boolean_value(k) for k in kept], dtype=bool)
 
 
-Price = Callable[[np.ndarray], tuple[int, float]]
-"""The peak bytes and cost of the step run with a keep mask over all its nodes."""
+Price = Callable[[np.ndarray], int]
+"""The peak bytes of the step run with a keep mask over all its nodes."""
 
 
 def compose(blocks: Blocks, options: list[Option], base: np.ndarray, budget_bytes: int, price: Price,
             deadline: float | None = None) -> np.ndarray | None:
     """The cheapest keep mask found that fits `budget_bytes`: `base` with every block of
-    the chain given an option (options ordered from the most bytes kept, the cheapest).
+    the chain given an option (options ordered from the most bytes kept, the cheapest),
+    on the assumption that keeping more never costs more.
 
     The choices tried are levels (`_levels`): one option given to every block, then the
     next larger option given to the last blocks, one more each level (the last blocks
@@ -208,15 +211,16 @@ def compose(blocks: Blocks, options: list[Option], base: np.ndarray, budget_byte
     levels = _levels([o.bytes for o in options], count)
 
     def peak(level: int) -> int:
-        return price(_mask(blocks, options, base, *levels[level][1:]))[0]
+        return price(_mask(blocks, options, base, *levels[level][1:]))
 
     low, high = 0, len(levels) - 1
     peaks = {low: peak(low)}
     if peaks[low] > budget_bytes:
         return None
-    peaks[high] = peak(high)
-    if peaks[high] <= budget_bytes:
-        low = high
+    if high > low:
+        peaks[high] = peak(high)
+        if peaks[high] <= budget_bytes:
+            low = high
     for _ in range(PROBES):
         if high - low <= 1 or (deadline is not None and time.perf_counter() >= deadline):
             break
@@ -226,10 +230,6 @@ def compose(blocks: Blocks, options: list[Option], base: np.ndarray, budget_byte
         peaks[at] = peak(at)
         low, high = (at, high) if peaks[at] <= budget_bytes else (low, at)
     return _mask(blocks, options, base, *levels[low][1:])
-
-
-PROBES = 6
-"""The most levels `compose` prices between the smallest and the largest."""
 
 
 def _levels(sizes: list[int], count: int) -> list[tuple[int, int, int]]:
