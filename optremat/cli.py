@@ -292,6 +292,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     torch_budgets = [float(b) for b in args.torch_budgets.split(",")] if args.torch_budgets else []
     if any(not 0 < f <= 1 for f in fractions) or any(not 0 <= b <= 1 for b in torch_budgets):
         raise ValueError("--budgets are fractions in (0, 1] and --torch-budgets in [0, 1]")
+    if args.runs < 1 and not args.no_measure:
+        raise ValueError(f"--runs must be at least 1 (or pass --no-measure), not {args.runs}")
     example = load(args.model)
     graph = extract(example.model, example.inputs, example.loss_fn)
     unplanned = simulate(graph, keep_all(graph)).peak_bytes

@@ -248,6 +248,7 @@ def test_plan_refuses_bad_options_with_one_line_before_loading_the_model(tmp_pat
                        (("--model", "mlp-tiny", "--save", str(tmp_path)), "is a directory")):
         assert says in one_line_error(run(*plan, *args)), args
     assert "budget '1.5' is neither" in one_line_error(run("plan", "--model", "mlp-tiny", "--budget", "1.5"))
+    assert "--runs must be at least 1" in one_line_error(run("bench", "--model", "mlp-tiny", "--runs", "0"))
     assert "unknown --device 'tpu'" in one_line_error(run(*plan, "--model", "mlp-tiny", "--device", "tpu"))
     assert list(tmp_path.iterdir()) == []
 
@@ -270,8 +271,10 @@ def test_show_refuses_what_is_not_a_saved_plan_with_one_line(tmp_path):
     (tmp_path / "edited.json").write_text(json.dumps(data))
     (tmp_path / "list.json").write_text("[1, 2, 3]")
     (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "future.json").write_text(json.dumps({**data, "format": 999}))
     for name, says in (("edited.json", "was changed after it was saved"), ("list.json", "one JSON object, not a list"),
-                       ("broken.json", "is not valid JSON"), ("missing.json", "No such file")):
+                       ("broken.json", "is not valid JSON"), ("missing.json", "No such file"),
+                       ("future.json", "format tag 999, not 'optremat.plan'")):
         error = one_line_error(run("show", str(tmp_path / name)))
         assert says in error and name in error, error
 

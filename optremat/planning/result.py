@@ -392,7 +392,8 @@ def _check_header(data: Any) -> None:
     if not isinstance(data, dict):
         raise PlanFileError(f"a plan is one JSON object, not {_json_kind(data)}; {_MALFORMED}")
     if data.get("format") != "optremat.plan":
-        raise PlanFileError("not an optremat plan (missing format tag)")
+        found = "missing" if "format" not in data else f"{data['format']!r}"[:40]
+        raise PlanFileError(f"not an optremat plan (format tag {found}, not 'optremat.plan')")
     if data.get("version") not in READS:
         raise PlanFileError(f"plan format version {data.get('version')} is not supported "
                             f"(this optremat reads {', '.join(map(str, READS))}); plan again")
