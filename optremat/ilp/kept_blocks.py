@@ -209,6 +209,7 @@ def compose(blocks: Blocks, options: list[Option], base: np.ndarray, budget_byte
     level does not fit."""
     count = len(blocks.nodes)
     levels = _levels([o.bytes for o in options], count)
+    kept_bytes = [k for k, _, _ in levels]
 
     def peak(level: int) -> int:
         return price(_mask(blocks, options, base, *levels[level][1:]))
@@ -224,9 +225,9 @@ def compose(blocks: Blocks, options: list[Option], base: np.ndarray, budget_byte
     for _ in range(PROBES):
         if high - low <= 1 or (deadline is not None and time.perf_counter() >= deadline):
             break
-        (kept_low, *_), (kept_high, *_) = levels[low], levels[high]
-        target = kept_low + (budget_bytes - peaks[low]) * (kept_high - kept_low) / (peaks[high] - peaks[low])
-        at = min(max(bisect.bisect_right([k for k, *_ in levels], target) - 1, low + 1), high - 1)
+        target = kept_bytes[low] + ((budget_bytes - peaks[low]) * (kept_bytes[high] - kept_bytes[low])
+                                    / (peaks[high] - peaks[low]))
+        at = min(max(bisect.bisect_right(kept_bytes, target) - 1, low + 1), high - 1)
         peaks[at] = peak(at)
         low, high = (at, high) if peaks[at] <= budget_bytes else (low, at)
     return _mask(blocks, options, base, *levels[low][1:])
