@@ -216,6 +216,28 @@ def test_a_vision_transformer_plans_exactly_within_its_budget() -> None:
     plans_exactly_within_budget(vit, 0.7)
 
 
+@pytest.mark.parametrize("build", [bert, vit], ids=["bert", "vit"])
+def test_a_classifier_planned_before_its_first_call_checkpoints_its_layers(build: Callable) -> None:
+    """BERT's and ViT's heads set `config.problem_type` on their first call, after the
+    layers ran. Planned before it, as `PlanCallback` plans before the first step, every
+    layer was kept out of the plan (reruns in the backward would have read the config the
+    head changed). A rerun now finds the config as its call found it: the layers are
+    planned, and every step, the first included, is the unplanned one bitwise."""
+    torch.manual_seed(0)
+    model, batch = build()
+    model.train()
+    reference = copy.deepcopy(model)
+    assert model.config.problem_type is None
+    plan = optremat.plan(model, batch, 0.7, time_limit=0.3, deterministic=True)
+    assert any(".layer" in region.path for region in plan.regions), plan.summary()
+    optremat.apply(model, plan)
+    for _ in range(2):
+        got, want = own_loss_step(model, batch), own_loss_step(reference, batch)
+        assert got[0] == want[0] and got[1].keys() == want[1].keys()
+        for name, grad in want[1].items():
+            torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_a_resnet_plans_exactly_within_its_budget() -> None:
     """At 90%: this ResNet's smallest budget of module regions is 87% of its unplanned
     peak, which falls in its first stage, at the largest resolution."""

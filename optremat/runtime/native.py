@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import operator
 import types
 from collections import Counter
 from typing import Any, Callable, Iterator
@@ -45,7 +44,7 @@ from optremat.runtime.caller import warn
 from optremat.tracing.extract import tracing
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.kv_cache import receives_cache
-from optremat.tracing.module_state import INSTALLED, PLAIN
+from optremat.tracing.module_state import INSTALLED, attribute_spaces, restored_plain
 
 _RUNTIME, _REGION = INSTALLED
 
@@ -389,7 +388,7 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
     owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
     tensors = _tensors_of(owners, {(id(owner), name) for owner, name in buffers})
     found = _Found(region.path, tensors, [None if _unchecked(t) else t._version for *_, t in tensors],
-                   [(owner, dict(owner.__dict__)) for owner in owners])
+                   attribute_spaces(owners))
     if not region.saved:
         return contextlib.nullcontext(), _Rerun(found, held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
@@ -407,12 +406,12 @@ def _unchecked(tensor: torch.Tensor) -> bool:
 
 class _Found:
     """What one call of a region found as it started: the tensors its modules held, their
-    version counters (None for those left unchecked, `_unchecked`), and a copy of each of
-    its modules' `__dict__` (copied whole: picking out the plain values there took twice
-    what the rest of a call's setup takes)."""
+    version counters (None for those left unchecked, `_unchecked`), and a copy of the
+    `__dict__` of each of its modules and of the plain objects they hold
+    (`module_state.attribute_spaces`)."""
 
     def __init__(self, path: str, tensors: "Tensors", versions: list[int | None],
-                 attributes: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+                 attributes: list[tuple[Any, dict[str, Any]]]) -> None:
         self.path = path
         self.tensors = tensors
         self.versions = versions
@@ -474,8 +473,10 @@ class _Rerun:
     refuses a second backward). The copies of the buffers as the call started live as
     long as checkpoint holds this context, until the call's autograd nodes are done, as
     plans price them: every rerun reads them. The modules' plain attributes are those
-    the call found (`_restored`): `model.eval()` or a schedule's new temperature set
-    before the backward must not change what a rerun computes."""
+    the call found, and so are those of the plain objects they hold (`restored_plain`):
+    `model.eval()`, a schedule's new temperature set before the backward, or a config
+    field a head sets on the first call (transformers' `problem_type`) must not change
+    what a rerun computes."""
 
     def __init__(self, found: _Found, held: list[tuple[nn.Module, str, torch.Tensor]], recompute: Any) -> None:
         self.found = found
@@ -487,7 +488,7 @@ class _Rerun:
         self.found.check_unwritten()
         self.stack.enter_context(_swapped(self.found.tensors))
         self.stack.enter_context(_scratch(self.held))
-        self.stack.enter_context(_restored(self.found.attributes))
+        self.stack.enter_context(restored_plain(self.found.attributes))
         if self.recompute is not None:
             self.stack.enter_context(self.recompute)
             self.recompute = None
@@ -512,37 +513,6 @@ def _swapped(tensors: Tensors) -> Iterator[None]:
             getattr(owner, kind)[name] = current
 
 
-@contextlib.contextmanager
-def _restored(attributes: list[tuple[nn.Module, dict[str, Any]]]) -> Iterator[None]:
-    """While it lasts, each module's attributes that hold plain values (its mode among
-    them) in `attributes` or in the module now are those of `attributes`."""
-    changed = []
-    for module, before in attributes:
-        now = module.__dict__
-        if len(now) == len(before) and all(map(operator.is_, now.values(), before.values())):
-            continue  # the same names in the same order, each the same object (the usual case)
-        names = [name for name, value in now.items() if before.get(name, _ABSENT) is not value]
-        for name in [*names, *(before.keys() - now.keys())]:
-            then, current = before.get(name, _ABSENT), now.get(name, _ABSENT)
-            if type(then) in PLAIN or type(current) in PLAIN:
-                changed.append((module, name, current, then))
-    for module, name, _, value in changed:
-        _put(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, now, _ in reversed(changed):
-            _put(module, name, now)
-
-
-def _put(module: nn.Module, name: str, value: Any) -> None:
-    if value is _ABSENT:
-        module.__dict__.pop(name, None)
-    else:
-        module.__dict__[name] = value
-
-
-_ABSENT = object()
 
 
 @contextlib.contextmanager

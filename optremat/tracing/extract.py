@@ -567,12 +567,14 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
     (`module_state.python_state`: a counter, a cache), which a rerun would change again,
     and each call whose module's Python state is not, when the model's forward returns,
     what the call began with (a caller setting a shared object's "current layer" before
-    each block): its rerun in the backward, or that of a call around it, would read what
-    was set last. (What the loss or a backward hook changes later, a log of gradient
-    norms, no rerun reads.)"""
+    each block), unless only plain values of its own attributes or of the plain objects
+    it holds changed, which the runtime puts back for a rerun (`module_state.restored_plain`:
+    a config field the model's head sets on the first call): otherwise its rerun in the
+    backward, or that of a call around it, would read what was set last. (What the loss or
+    a backward hook changes later, a log of gradient norms, no rerun reads.)"""
     stack: list[tuple[str, int]] = [("", 0)]
     states: list[Any] = []
-    began: list[tuple[tuple[tuple[str, int], ...], nn.Module, Any]] = []
+    began: list[tuple[tuple[tuple[str, int], ...], nn.Module, Any, Any]] = []
     count: dict[str, int] = {}
 
     def tag() -> None:
@@ -582,7 +584,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
             states.append((_host_random(), module_state.python_state(module)))
-            began.append((tuple(stack[1:]), module, states[-1][1]))
+            began.append((tuple(stack[1:]), module, states[-1][1], module_state.attribute_spaces([module])))
             count[path] = count.get(path, 0) + 1
             if receives_cache(args, kwargs):
                 cached.add(stack[-1])
@@ -600,11 +602,14 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
 
     def returned(model: nn.Module, args: Any, output: Any) -> None:
         ends: dict[int, Any] = {}
-        for calls, module, python in began:
+        for calls, module, python, spaces in began:
             if id(module) not in ends:
                 ends[id(module)] = module_state.python_state(module)
-            if python != ends[id(module)]:
-                stateful.update(calls)
+            if python == ends[id(module)]:
+                continue
+            with module_state.restored_plain(spaces):
+                if python != module_state.python_state(module):
+                    stateful.update(calls)
         began.clear()
 
     handles = [model.register_forward_hook(returned)]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import builtins
 import functools
 import itertools
+import operator
 import os
 import pickle
 import random
@@ -126,6 +127,52 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
     spaces = _namespaces([module])
     reached = tuple((id(value), _fingerprint(value)) for value in _reachable(*_roots([module], spaces, refreshed)))
     return own, reached, tuple(tuple(_plain_items(space).items()) for space in spaces)
+
+
+def attribute_spaces(modules: Iterable[nn.Module]) -> list[tuple[Any, dict[str, Any]]]:
+    """Each module with a copy of its `__dict__` as it is now, and each plain object one of
+    them holds as an attribute (a model's config) with a copy of its own: what a rerun
+    under checkpoint must find as the call found it (`restored_plain`). Copied whole:
+    picking out the plain values there took twice what the rest of a call's setup takes."""
+    spaces: dict[int, tuple[Any, dict[str, Any]]] = {}
+    for module in modules:
+        spaces.setdefault(id(module), (module, dict(module.__dict__)))
+        for name, value in module.__dict__.items():
+            if (id(value) not in spaces and not isinstance(value, PLAIN + _OPAQUE) and _kind(value) is None
+                    and not _ignored(name, value) and (space := _live_dict(value)) is not None):
+                spaces[id(value)] = (value, dict(space))
+    return list(spaces.values())
+
+
+@contextmanager
+def restored_plain(spaces: list[tuple[Any, dict[str, Any]]]) -> Iterator[None]:
+    """While it lasts, the attributes that hold plain values (a module's mode among them)
+    in `spaces` (`attribute_spaces`) or in the objects now are those of `spaces`; then
+    they are as they were."""
+    changed = []
+    for owner, before in spaces:
+        now = _live_dict(owner)
+        if len(now) == len(before) and all(map(operator.is_, now.values(), before.values())):
+            continue  # the same names in the same order, each the same object (the usual case)
+        names = [name for name, value in now.items() if before.get(name, _MISSING) is not value]
+        for name in [*names, *(before.keys() - now.keys())]:
+            then, current = before.get(name, _MISSING), now.get(name, _MISSING)
+            if type(then) in PLAIN or type(current) in PLAIN:
+                changed.append((now, name, current, then))
+    for space, name, _, value in changed:
+        _put(space, name, value)
+    try:
+        yield
+    finally:
+        for space, name, now, _ in reversed(changed):
+            _put(space, name, now)
+
+
+def _put(space: dict[str, Any], name: str, value: Any) -> None:
+    if value is _MISSING:
+        space.pop(name, None)
+    else:
+        space[name] = value
 
 
 def _ignored(name: str, value: Any) -> bool:
