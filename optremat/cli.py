@@ -194,6 +194,9 @@ def _parallel(args: argparse.Namespace) -> Any:
     if args.fsdp is None and not args.ddp:
         if args.world is not None:
             raise ValueError("--world needs --fsdp UNITS or --ddp")
+        if args.optimizer_state:
+            raise ValueError("--optimizer-state is what each rank of --fsdp UNITS or --ddp holds: a single process's "
+                             "optimizer state is not priced")
         return None
     if args.fsdp is not None and args.ddp:
         raise ValueError("choose one of --fsdp and --ddp")

@@ -217,7 +217,8 @@ def test_plan_one_rank_of_a_data_parallel_job(tmp_path):
     shown = run("show", str(plan_file))
     assert "per rank: FSDP2 over 8 ranks" in shown.stdout
     for bad, says in ((["--world", "8"], "--world needs"), (["--ddp"], "need --world"),
-                      (["--ddp", "--fsdp", "blocks.*", "--world", "2"], "one of --fsdp and --ddp")):
+                      (["--ddp", "--fsdp", "blocks.*", "--world", "2"], "one of --fsdp and --ddp"),
+                      (["--optimizer-state", "2"], "--optimizer-state is what each rank")):
         refused = run("plan", "--model", "gpt-tiny", "--budget", "0.9", *bad)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr
 
