@@ -274,9 +274,9 @@ def output_loss_price(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, devic
     (tensors, real or fake, whose `requires_grad` says which take a gradient): the bytes
     it holds at its peak beyond the output, which the caller holds through the backward
     (`out = model(x)`; the output's gradient counts as the loss's own), and its cost."""
-    graph = _ended(trace(_Output(out), (), loss_fn, device=device, cost_model=cost_model).graph)
-    held = np.unique(graph.storage_root[graph.pinned])
     outside = _outside_leaves(out, loss_fn)
+    graph = _ended(trace(_Output(out, outside), (), loss_fn, device=device, cost_model=cost_model).graph)
+    held = np.unique(graph.storage_root[graph.pinned])
     return LossPrice(max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0),
                      graph.total_cost, sum(t.numel() * t.element_size() for t in outside), outside)
 
@@ -358,10 +358,19 @@ class DefaultLoss:
 
 class _Output(nn.Module):
     """A module with no inputs returning tensors shaped like a model's output, those
-    that take a gradient as parameters, so that tracing a loss over it is a training step."""
+    that take a gradient as parameters, so that tracing a loss over it is a training step.
+    The parameters the loss reads outside the output (`outside`: an LM head's weight) are
+    its parameters too, so that their gradients are traced and priced with the loss (a
+    CausalLMLoss reads its head as the traced tensor standing for it, `standing_in`):
+    without them the whole head's loss was priced without its weight's gradient product,
+    which the chunked head's computes in its forward, and a plan chose the whole head
+    where its chunks cost less."""
 
-    def __init__(self, out: Any) -> None:
+    def __init__(self, out: Any, outside: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
+        for i, t in enumerate(outside):
+            if isinstance(t, nn.Parameter):
+                self.register_parameter(f"outside{i}", t)
         leaves, self.spec = tree_flatten(out)
         self.constants = [None if isinstance(t, torch.Tensor) else t for t in leaves]
         for i, t in enumerate(leaves):
