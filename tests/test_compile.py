@@ -440,6 +440,44 @@ def test_a_dropout_whose_input_the_backward_holds_is_not_rerun_there() -> None:
     assert not any(drew)
 
 
+class BreaksItsGraph(torch.nn.Module):
+    """Two stacks of MLPs with a graph break between them, as a print or a value read in
+    Python makes one: torch.compile hands the backend two graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        def mlps() -> torch.nn.Sequential:
+            return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                                             torch.nn.Linear(128, 32)) for _ in range(4)))
+
+        self.a, self.b, self.head = mlps(), mlps(), torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.head(self.b(h))
+
+
+def test_a_loss_fn_failing_on_a_graph_before_a_break_prices_that_graph_as_without_it() -> None:
+    """`loss_fn` is priced on each compiled graph's outputs; the graph before a break
+    returns the model's inner state, on which the loss failed, and the compile failed
+    with a broadcasting error from deep inside. That graph is now priced as without
+    `loss_fn`, with a warning, and the step trains as torch.compile's own."""
+    torch.manual_seed(0)
+    model, x, y = BreaksItsGraph(), torch.randn(512, 32), torch.randn(512, 10)
+    reference = copy.deepcopy(model)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, y)
+
+    expected = step(torch.compile(reference, backend="aot_eager", dynamic=False), (x,), loss_fn)
+    backend = optremat.compile_backend(0.9, loss_fn=loss_fn, inner="aot_eager", deterministic=True, time_limit=2)
+    with pytest.warns(UserWarning, match="loss_fn fails on the outputs of compiled graph 1"):
+        got = step(torch.compile(model, backend=backend, dynamic=False), (x,), loss_fn)
+    assert len(backend.plans) == 2
+    assert_same_step(expected, got)
+
+
 def test_a_time_limit_spent_before_the_rivals_start_still_lets_pytorchs_nearest_partition_compete() -> None:
     """PyTorch's partitions are begun only within the time limit, but the first always
     is: with the limit out before any starts, the one nearest the budget still competes,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ from optremat.planning.chunking import choices, solve_chunked
 from optremat.planning.ops import ATTEMPTS, kept_plan, least_plan, plan_step
 from optremat.planning.result import Plan
 from optremat.tracing.costs import COST_MODELS, DeviceProfile, device_profile, profile_for
-from optremat.tracing.extract import depending_on
+from optremat.tracing.extract import LossNotApplicable, depending_on
 from optremat.tracing.fingerprint import package_version
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss, install
 
@@ -104,7 +105,14 @@ class Partitioner(CustomPartitionerFn):
             return inductor_step(step, profile) if self.inline else step
 
         lm = self.loss_fn if isinstance(self.loss_fn, CausalLMLoss) and self.loss_fn.chunks == AUTO else None
-        step = read(self.loss_fn if lm is None else lm.with_chunks(None))
+        try:
+            step = read(self.loss_fn if lm is None else lm.with_chunks(None))
+        except LossNotApplicable as error:
+            warnings.warn(f"optremat: loss_fn fails on the outputs of compiled graph {len(self.plans) + 1} ({error}). "
+                          "Where a graph break splits the model, a graph before the break returns what the model "
+                          "computes next, not its output: this graph's outputs are priced as a loss taking a "
+                          "cross-entropy over their last dimension would hold them (as without loss_fn)", stacklevel=2)
+            lm, step = None, read(None)
 
         def rival(graph: Graph, fraction: float) -> np.ndarray | None:
             return torch_keep_set(gm, joint_inputs, kwargs, graph, fraction)

@@ -268,13 +268,21 @@ class LossPrice(NamedTuple):
     outside: tuple[torch.Tensor, ...] = ()
 
 
+class LossNotApplicable(ValueError):
+    """A loss function that fails on the outputs it was to be priced on."""
+
+
 def output_loss_price(out: Any, loss_fn: Callable[[Any], torch.Tensor], *, device: str | DeviceProfile = "cpu",
                       cost_model: str = "roofline") -> LossPrice:
     """The price of a loss computed by eager autograd on a model output like `out`
     (tensors, real or fake, whose `requires_grad` says which take a gradient): the bytes
     it holds at its peak beyond the output, which the caller holds through the backward
-    (`out = model(x)`; the output's gradient counts as the loss's own), and its cost."""
-    outside = _outside_leaves(out, loss_fn)
+    (`out = model(x)`; the output's gradient counts as the loss's own), and its cost.
+    LossNotApplicable where `loss_fn` fails on `out`."""
+    try:
+        outside = _outside_leaves(out, loss_fn)
+    except Exception as error:  # noqa: BLE001 - the caller's loss, on outputs it may not take
+        raise LossNotApplicable(f"{type(error).__name__}: {str(error).strip().splitlines()[0]}") from error
     graph = _ended(trace(_Output(out, outside), (), loss_fn, device=device, cost_model=cost_model).graph)
     held = np.unique(graph.storage_root[graph.pinned])
     return LossPrice(max(simulate(graph, keep_all(graph)).peak_bytes - int(graph.unit_size[held].sum()), 0),
