@@ -162,6 +162,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     def step(params: dict, buffers: dict, inputs: Call, grad_outputs: list) -> tuple:
         with EagerScalarReads(leaves, read):
             out, structure["reassigned"] = _call(model, params, buffers, inputs)
+            attributes = _set_by_forward(model)
             if loss_fn is not None:
                 with standing_in({identity[name]: t for name, t in params.items()}):
                     roots, root_grads = [loss_fn(out)], None
@@ -171,7 +172,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             seeds = _seeds(roots) if root_grads is None else []
             grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads or seeds, allow_unused=True)
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
-        return roots, _held(out) + [s for s in seeds if s is not None], [g for g in grads if g is not None]
+        return (roots, _held(out) + attributes + [s for s in seeds if s is not None],
+                [g for g in grads if g is not None])
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
     args = (params, buffers, inputs, grad_outputs)
@@ -403,6 +405,18 @@ def _held(out: Any) -> list[torch.Tensor]:
     leaves = output_leaves(out)
     return [t for t in leaves if isinstance(t, torch.Tensor)] + [t for c in leaves if is_cache(c)
                                                                  for t in cache_tensors(c)]
+
+
+def _set_by_forward(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors the step made that modules hold as attributes once the forward returns
+    (the weight `torch.nn.utils.weight_norm`'s or `spectral_norm`'s hook computes before
+    each call, a table cached on first use), returned by the traced step so that they live
+    through the backward, as the module holds them until its next call: a plan
+    checkpointing the call that reads one was priced as if it freed it, and the step
+    measured 1.3 times its prediction."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return [value for module in model.modules() for value in module.__dict__.values() if isinstance(value, FakeTensor)]
 
 
 def output_leaves(out: Any) -> list[Any]:
