@@ -763,3 +763,29 @@ def test_lstm_layers_are_priced_as_onednn_runs_them_and_checkpointed_as_planned(
     optremat.apply(model, plan)
     assert measure_step(model, inputs, loss_fn).peak_bytes <= 1.02 * plan.predicted_peak_bytes
     assert_same_step(train_step(model, model, inputs, loss_fn, state), want, tolerance=1e-6)
+
+
+def test_a_plan_applied_inside_another_models_plan_is_refused() -> None:
+    """A backbone planned and applied, then put in a larger model planned and applied (or
+    the other way round): neither plan ran as planned, and the step measured 1.2 to 1.8
+    times the outer plan's prediction, silently. The second `apply` is now refused naming
+    the first; with the first taken off, the second runs as priced."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(6)])
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+
+    def squared_error(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, y)
+
+    optremat.apply(backbone, optremat.plan(backbone, (x,), 0.8, loss_fn=squared_error, time_limit=2))
+    model = nn.Sequential(backbone, nn.Linear(32, 32))
+    outer = optremat.plan(model, (x,), 0.8, loss_fn=squared_error, time_limit=2)
+    assert any(r.path.startswith("0") for r in outer.regions)
+    with pytest.raises(optremat.PlanMismatch, match="module '0' has a plan of its own applied"):
+        optremat.apply(model, outer)
+    optremat.remove(backbone)
+    optremat.apply(model, outer)
+    measured = measure_step(model, (x,), squared_error).peak_bytes
+    assert abs(measured / outer.predicted_peak_bytes - 1) <= 0.02
+    with pytest.raises(optremat.PlanMismatch, match="runs inside another model whose plan"):
+        optremat.apply(backbone, optremat.plan(backbone, (x,), 0.8, loss_fn=squared_error, time_limit=2))

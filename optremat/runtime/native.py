@@ -190,6 +190,7 @@ def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fi
         raise PlanMismatch(f"this plan was made for another model (fingerprint {fingerprint}, this model gives "
                            f"{model_fingerprint(model)}); plan again")
     check(model, regions, mutated_buffers)
+    _check_not_nested(model)
     remove(model)
     runtime = _Runtime(regions, training, choose, mutated_buffers, forward)
     setattr(model, _RUNTIME, runtime)
@@ -226,6 +227,26 @@ def check(model: nn.Module, regions: tuple[Region, ...], mutated_buffers: tuple[
     if missing:
         raise PlanMismatch(f"the plan protects buffer {missing[0]!r}, and {type(model).__name__} has none of "
                            "that name; plan again")
+
+
+def _check_not_nested(model: nn.Module) -> None:
+    """Raise PlanMismatch where another model's plan is installed on a module of `model`:
+    a submodule planned on its own (a backbone planned, then put in a larger model), or
+    modules another model's plan took over (`model` runs inside a planned model). Each
+    plan prices its model's step as the only plan running, and one inside the other kept
+    both from running as planned: the step ran unplanned, over its budget, silently."""
+    own = getattr(model, _RUNTIME, None)
+    for path, module in model.named_modules():
+        if path and _RUNTIME in module.__dict__:
+            raise PlanMismatch(f"{type(model).__name__}'s module {path!r} has a plan of its own applied, which "
+                               "cannot run inside this one: take it off first (optremat.remove(model."
+                               f"get_submodule({path!r}))) and let this plan cover the whole step")
+        state = module.__dict__.get(_REGION)
+        if state is not None and state.runtime is not None and state.runtime is not own:
+            runs = f"checkpoints its module {path!r}" if path else "runs its forward"
+            raise PlanMismatch(f"{type(model).__name__} runs inside another model whose plan {runs}, and the two "
+                               "plans cannot run one inside the other: apply only one of them (optremat.remove on "
+                               "the other first)")
 
 
 def _take_over(model: nn.Module, path: str) -> None:
