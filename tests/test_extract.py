@@ -718,3 +718,14 @@ def test_planning_under_a_mode_without_training_plans_the_training_step(mode: st
     with context():
         got = optremat.plan(model, x, 0.8, loss_fn=lambda out: out.square().mean(), deterministic=True)
     assert want.regions and got.regions == want.regions and got.predicted_peak_bytes == want.predicted_peak_bytes
+
+
+def test_a_batch_norm_keeping_a_cumulative_average_is_refused_naming_its_momentum():
+    """`BatchNorm(momentum=None)` weights each step by 1 / num_batches_tracked, read as a
+    Python number: the refusal said the model reads a value after a random op or on the
+    meta device, neither of which it does, and without a loss the trace failed with
+    PyTorch's own exception."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None), nn.ReLU(), nn.Flatten())
+    for loss_fn in (None, lambda out: out.square().mean()):
+        with pytest.raises(ExtractionError, match=r"BatchNorm with momentum=None \('1'\)"):
+            extract(model, (torch.randn(2, 3, 8, 8),), loss_fn)

@@ -150,7 +150,10 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                               "price: build it with sparse=False")
 
     with module_state.kept(model), _grouped_mm_in_any_float():
-        grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
+        try:
+            grad_shapes = None if loss_fn is not None else _output_like(model, params, buffers, inputs)
+        except Exception as error:  # noqa: BLE001 - rewrapped with what it failed on
+            raise ExtractionError(_explain_failure(model, error, "")) from error
 
     structure: dict[str, Any] = {}
     identity = {name: id(p) for name, p in params.items()}
@@ -996,10 +999,16 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
     module = f"module '{where}'" if where else f"{type(model).__name__}.forward"
     first_line = text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
     failed = dict(model.named_modules()).get(where, model)
+    cumulative = [path for path, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None]
     if isinstance(failed, nn.RNNBase) and "FakeTensor" in text:
         hint = ("an RNN given a PackedSequence runs as many steps per sequence as its lengths' values say, which "
                 "no trace on fake tensors can follow: optremat cannot plan it yet; run the RNN on the padded batch "
                 "to plan it")
+    elif cumulative and (where in cumulative or not where):
+        hint = (f"a BatchNorm with momentum=None ('{where or cumulative[0]}') keeps a cumulative average, weighting "
+                "each step by 1 / num_batches_tracked read as a Python number, which a trace on fake tensors "
+                "cannot read: optremat cannot plan it; give it a momentum (PyTorch's default is 0.1)")
     elif "data-dependent" in text or "_local_scalar_dense" in text or "DataDependent" in type(error).__name__:
         hint = ("the model reads a tensor's value in Python (.item(), .tolist(), `if tensor:`) that the trace "
                 "cannot compute from the example batch (it follows a random op, or the model is on the meta "
