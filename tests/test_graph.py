@@ -111,6 +111,12 @@ def test_a_malformed_node_link_graph_is_refused(tmp_path, data, message):
         published.load(tmp_path / "g.json")
 
 
+def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path):
+    (tmp_path / "g.json").write_text("x = 1\n")
+    with pytest.raises(GraphError, match=r"graph file .*g\.json is not JSON"):
+        published.load(tmp_path / "g.json")
+
+
 @pytest.mark.parametrize("name, nodes, edges", [
     ("vgg16_b256_224x224_train", 45, 87),
     ("resnet50_b256_224x224_train", 353, 751),

@@ -17,7 +17,10 @@ from optremat.core.graph import Graph, GraphError
 
 def load(path: str | Path) -> Graph:
     """Load an optremat graph file or a published benchmark graph (node-link JSON)."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except ValueError as error:
+        raise GraphError(f"graph file {path} is not JSON ({error})") from None
     if not isinstance(data, dict):
         raise GraphError(f"not a graph: expected a JSON object, found {json.dumps(data)[:40]}")
     if data.get("format") == "optremat.graph":
