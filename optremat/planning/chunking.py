@@ -70,16 +70,16 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     plan for one (each gets an equal share of `time_limit`). Counts are
     solved from the cheapest step up, or with `ahead` in `tried`'s order, each traced on
     another thread while the one before is solved (`_steps`); one whose step alone costs
-    more than a plan found already is not solved. A count's bound is its search's (for a count refused unproven,
-    the finite bound its composition put on plans of regions inside the blocks, the
-    scope composed plans' bounds have), or where that search proved none (or did not
-    run) its step's own cost: no plan of it costs less. Ties go to fewer
-    chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
+    more than a plan found already is not solved. A count's bound is its search's (for a
+    count refused unproven, the finite bound its composition put on plans of regions
+    inside the blocks, the scope composed plans' bounds have), or where that search
+    proved none (or did not run) its step's own cost: no plan of it costs less. Ties go
+    to fewer chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
     fits counts only when its search proved it). `report(overhead, bound)`, if given, is
     called after each count is solved, once a plan fits, with the cheapest plan so far and
     the least bound over every count, both of the whole head's step, once every count's
-    step is known. InfeasibleBudget
-    when no count fits, naming the least peak found over all."""
+    step is known. InfeasibleBudget when no count fits, naming the least peak found over
+    all."""
     total = whole.graph.total_cost
     share = time_limit / len(tried)
     scale: dict[int | None, float] = {}
@@ -112,7 +112,6 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
                    chunking=Chunking(head, k, simulate(plan.graph, keep_all(plan.graph)).peak_bytes, tuple(tried)))
 
 
-
 def _solved(step: S, scale: float, share: float, solve: Callable[[S, float], Plan],
             refusals: list[InfeasibleBudget]) -> tuple[Plan | None, float, float]:
     """One count's plan (None where none fits, its refusal added to `refusals`), its
@@ -127,6 +126,7 @@ def _solved(step: S, scale: float, share: float, solve: Callable[[S, float], Pla
                 max(scale * (1 + error.bound) - 1, scale - 1) if scoped else scale - 1)
     bound = scale - 1 if plan.lower_bound is None else (1 + plan.lower_bound) * scale - 1
     return plan, (1 + plan.predicted_overhead) * scale - 1, bound
+
 
 def _steps(whole: S, map_for: Callable[[int], S], tried: Sequence[int | None], ahead: bool
            ) -> Iterator[tuple[int | None, S]]:

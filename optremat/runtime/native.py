@@ -534,8 +534,6 @@ def _swapped(tensors: Tensors) -> Iterator[None]:
             getattr(owner, kind)[name] = current
 
 
-
-
 @contextlib.contextmanager
 def _scratch(held: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
     """While a region reruns, each buffer it writes holds a copy of what it held when the
