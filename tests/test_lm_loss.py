@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn as nn
@@ -312,34 +310,6 @@ def test_the_count_chosen_is_the_cheapest_of_every_count_planned_alone(lm, few_c
     whole_cost = per_block.graph.total_cost * (1 + found.predicted_overhead)  # its overhead is of the whole head
     assert whole_cost == pytest.approx(min(alone.values()), rel=1e-6)
     assert found.status == OPTIMAL and found.chunking.chunks in alone
-
-
-def test_counts_traced_while_others_are_solved_give_the_plan_of_every_count_traced_first(
-        lm, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`plan` traces each count's step on another thread while the count before is
-    solved. Deterministic solves give the same plan and bound as with every step traced
-    first and the cheapest solved first."""
-    model, idx, ids, per_block = lm
-    budget = int(per_block.predicted_peak_bytes * 0.9)
-    traced_on: set[str] = set()
-    making = chunking._steps
-
-    def steps(whole, map_for, tried, ahead):
-        def traced(k):
-            traced_on.add(threading.current_thread().name)
-            return map_for(k)
-        return making(whole, traced, tried, ahead)
-
-    monkeypatch.setattr(chunking, "_steps", steps)
-    ahead = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids), time_limit=5,
-                          deterministic=True)
-    assert threading.current_thread().name not in traced_on and traced_on
-    monkeypatch.setattr(chunking, "_steps", lambda whole, map_for, tried, ahead: making(whole, map_for, tried, False))
-    first = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids), time_limit=5,
-                          deterministic=True)
-    assert ahead.chunking == first.chunking and ahead.regions == first.regions
-    assert (ahead.predicted_overhead, ahead.lower_bound, ahead.status) == (first.predicted_overhead,
-                                                                           first.lower_bound, first.status)
 
 
 def test_progress_reports_the_cheapest_plan_so_far_and_a_bound_over_every_count(lm, few_choices) -> None:

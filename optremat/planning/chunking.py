@@ -11,9 +11,8 @@ unplanned step with the whole head, as its budget fraction is.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch.nn as nn
 
@@ -64,35 +63,42 @@ S = TypeVar("S", bound=Step)
 
 def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | None], head: str,
                   budget_bytes: int, solve: Callable[[S, float], Plan], time_limit: float,
-                  report: Callable[[float, float], None] | None = None, ahead: bool = False) -> Plan:
+                  report: Callable[[float, float], None] | None = None) -> Plan:
     """The cheapest plan that fits over every count in `tried`: `whole` is the step with
     the whole head, `map_for(k)` the one in k chunks, `solve(step, time_limit)` the
     plan for one (each gets an equal share of `time_limit`). Counts are
-    solved from the cheapest step up, or with `ahead` in `tried`'s order, each traced on
-    another thread while the one before is solved (`_steps`); one whose step alone costs
-    more than a plan found already is not solved. A count's bound is its search's (for a
-    count refused unproven, the finite bound its composition put on plans of regions
-    inside the blocks, the scope composed plans' bounds have), or where that search
-    proved none (or did not run) its step's own cost: no plan of it costs less. Ties go
-    to fewer chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
+    solved from the cheapest step up; one whose step alone costs more than a plan found
+    already is not solved. A count's bound is its search's (for a count refused unproven,
+    the finite bound its composition put on plans of regions inside the blocks, the
+    scope composed plans' bounds have), or where that search proved none (or did not
+    run) its step's own cost: no plan of it costs less. Ties go to fewer
+    chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
     fits counts only when its search proved it). `report(overhead, bound)`, if given, is
     called after each count is solved, once a plan fits, with the cheapest plan so far and
-    the least bound over every count, both of the whole head's step, once every count's
-    step is known. InfeasibleBudget when no count fits, naming the least peak found over
-    all."""
+    the least bound over every count, both of the whole head's step. InfeasibleBudget
+    when no count fits, naming the least peak found over all."""
     total = whole.graph.total_cost
     share = time_limit / len(tried)
-    scale: dict[int | None, float] = {}
+    maps = {k: whole if k is None else map_for(k) for k in tried}
+    scale = {k: maps[k].graph.total_cost / total for k in tried}
     found: dict[int | None, tuple[Plan | None, float, float]] = {}
     refusals: list[InfeasibleBudget] = []
-    for k, step in _steps(whole, map_for, tried, ahead):
-        scale[k] = step.graph.total_cost / total
+    for k in sorted(tried, key=lambda k: scale[k]):
         if scale[k] - 1 > min((f[1] for f in found.values()), default=math.inf) + ROUNDING:
             found[k] = (None, math.inf, scale[k] - 1)
+            continue
+        try:
+            plan = solve(maps[k], share)
+        except InfeasibleBudget as error:
+            refusals.append(error)
+            scoped = error.bound is not None and math.isfinite(error.bound)
+            found[k] = (None, math.inf, math.inf if error.impossible else
+                        max(scale[k] * (1 + error.bound) - 1, scale[k] - 1) if scoped else scale[k] - 1)
         else:
-            found[k] = _solved(step, scale[k], share, solve, refusals)
+            bound = scale[k] - 1 if plan.lower_bound is None else (1 + plan.lower_bound) * scale[k] - 1
+            found[k] = (plan, (1 + plan.predicted_overhead) * scale[k] - 1, bound)
         best = min(f[1] for f in found.values())
-        if report is not None and math.isfinite(best) and len(scale) == len(tried):
+        if report is not None and math.isfinite(best):
             report(best, min(found[j][2] if j in found else scale[j] - 1 for j in tried))
     fitting = [(k, *found[k]) for k in tried if found[k][0] is not None]
     if not fitting:
@@ -110,39 +116,3 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
                    status=OPTIMAL if overhead <= bound + ROUNDING else FEASIBLE,
                    solver_overhead=(1 + plan.solver_overhead) * scale[k] - 1,
                    chunking=Chunking(head, k, simulate(plan.graph, keep_all(plan.graph)).peak_bytes, tuple(tried)))
-
-
-def _solved(step: S, scale: float, share: float, solve: Callable[[S, float], Plan],
-            refusals: list[InfeasibleBudget]) -> tuple[Plan | None, float, float]:
-    """One count's plan (None where none fits, its refusal added to `refusals`), its
-    overhead and its bound, both of the whole head's step (`scale`: this count's step's
-    cost over that one's)."""
-    try:
-        plan = solve(step, share)
-    except InfeasibleBudget as error:
-        refusals.append(error)
-        scoped = error.bound is not None and math.isfinite(error.bound)
-        return (None, math.inf, math.inf if error.impossible else
-                max(scale * (1 + error.bound) - 1, scale - 1) if scoped else scale - 1)
-    bound = scale - 1 if plan.lower_bound is None else (1 + plan.lower_bound) * scale - 1
-    return plan, (1 + plan.predicted_overhead) * scale - 1, bound
-
-
-def _steps(whole: S, map_for: Callable[[int], S], tried: Sequence[int | None], ahead: bool
-           ) -> Iterator[tuple[int | None, S]]:
-    """Each count of `tried` with its step (`whole` for None): every step made first and
-    the cheapest given first, or with `ahead` in `tried`'s order, the steps made one after
-    another on another thread, so that the next is traced while the caller solves one
-    (the solver leaves Python's lock while it searches). A trace in progress is waited
-    for before this returns, so the model is as it was."""
-    if not ahead:
-        steps = {k: whole if k is None else map_for(k) for k in tried}
-        yield from sorted(steps.items(), key=lambda item: item[1].graph.total_cost)
-        return
-    pool = ThreadPoolExecutor(max_workers=1)
-    try:
-        made = {k: pool.submit(map_for, k) for k in tried if k is not None}
-        for k in tried:
-            yield k, whole if k is None else made[k].result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
