@@ -769,7 +769,8 @@ def test_a_plan_applied_inside_another_models_plan_is_refused() -> None:
     """A backbone planned and applied, then put in a larger model planned and applied (or
     the other way round): neither plan ran as planned, and the step measured 1.2 to 1.8
     times the outer plan's prediction, silently. The second `apply` is now refused naming
-    the first; with the first taken off, the second runs as priced."""
+    the first; with the first taken off, the second runs as priced. Blocks copied from a
+    planned model carry a copy of its plan that no model runs, and are planned anew."""
     torch.manual_seed(0)
     backbone = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(6)])
     x, y = torch.randn(64, 32), torch.randn(64, 32)
@@ -787,5 +788,9 @@ def test_a_plan_applied_inside_another_models_plan_is_refused() -> None:
     optremat.apply(model, outer)
     measured = measure_step(model, (x,), squared_error).peak_bytes
     assert abs(measured / outer.predicted_peak_bytes - 1) <= 0.02
-    with pytest.raises(optremat.PlanMismatch, match="runs inside another model whose plan"):
+    with pytest.raises(optremat.PlanMismatch, match="runs inside another model, or shares a module with one"):
         optremat.apply(backbone, optremat.plan(backbone, (x,), 0.8, loss_fn=squared_error, time_limit=2))
+    copied = nn.Sequential(*(copy.deepcopy(block) for block in backbone))  # a copy of a plan no model runs
+    plan = optremat.plan(copied, (x,), 0.8, loss_fn=squared_error, time_limit=2)
+    optremat.apply(copied, plan)
+    assert abs(measure_step(copied, (x,), squared_error).peak_bytes / plan.predicted_peak_bytes - 1) <= 0.02

@@ -108,10 +108,11 @@ class Partitioner(CustomPartitionerFn):
         try:
             step = read(self.loss_fn if lm is None else lm.with_chunks(None))
         except LossNotApplicable as error:
-            warnings.warn(f"optremat: loss_fn fails on the outputs of compiled graph {len(self.plans) + 1} ({error}). "
-                          "Where a graph break splits the model, a graph before the break returns what the model "
-                          "computes next, not its output: this graph's outputs are priced as a loss taking a "
-                          "cross-entropy over their last dimension would hold them (as without loss_fn)", stacklevel=2)
+            warnings.warn(f"optremat: loss_fn fails on the outputs of compiled graph {len(self.plans) + 1} ({error}), "
+                          "so they are priced as a loss taking a cross-entropy over their last dimension would hold "
+                          "them (as without loss_fn). Where a graph break splits the model, a graph before the break "
+                          "returns what the model computes next, not its output; otherwise loss_fn itself fails on "
+                          "the fake tensors a trace runs it on", stacklevel=2)
             lm, step = None, read(None)
 
         def rival(graph: Graph, fraction: float) -> np.ndarray | None:

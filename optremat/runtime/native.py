@@ -15,8 +15,9 @@ state, so random ops (never saved by a plan) draw the same numbers; and buffers 
 forward writes (BatchNorm's running statistics, a counter reassigned) are swapped, while
 the region reruns, for copies of what they held when the region first ran, so the rerun
 computes what the forward computed and a step updates them once, as the unplanned step does.
-What a training loop changes between the forward and the backward is met too: a module's
-plain attributes (a temperature schedule, `model.eval()`) are put back for the rerun as the
+What a training loop changes between the forward and the backward is met too: the plain
+attributes of a module and of the plain objects it holds (a temperature schedule,
+`model.eval()`, a config field set later in the step) are put back for the rerun as the
 call found them, and a parameter or buffer written in place in between (an update under
 `no_grad` before `loss.backward()`) stops the backward with an error naming it, where the
 rerun would have computed other values silently.
@@ -31,6 +32,7 @@ import contextlib
 import functools
 import inspect
 import types
+import weakref
 from collections import Counter
 from typing import Any, Callable, Iterator
 
@@ -47,6 +49,9 @@ from optremat.tracing.kv_cache import receives_cache
 from optremat.tracing.module_state import INSTALLED, attribute_spaces, restored_plain
 
 _RUNTIME, _REGION = INSTALLED
+_INSTALLED: weakref.WeakSet = weakref.WeakSet()
+"""The runtimes installed on a model now (a module copied from a planned one carries a
+copy of its runtime that no model runs)."""
 
 
 class PlanMismatch(ValueError):
@@ -194,6 +199,7 @@ def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fi
     remove(model)
     runtime = _Runtime(regions, training, choose, mutated_buffers, forward)
     setattr(model, _RUNTIME, runtime)
+    _INSTALLED.add(runtime)
     for path in runtime.paths:
         _take_over(model, path)
     return model
@@ -232,9 +238,11 @@ def check(model: nn.Module, regions: tuple[Region, ...], mutated_buffers: tuple[
 def _check_not_nested(model: nn.Module) -> None:
     """Raise PlanMismatch where another model's plan is installed on a module of `model`:
     a submodule planned on its own (a backbone planned, then put in a larger model), or
-    modules another model's plan took over (`model` runs inside a planned model). Each
-    plan prices its model's step as the only plan running, and one inside the other kept
-    both from running as planned: the step ran unplanned, over its budget, silently."""
+    modules another model's installed plan took over (`model` runs inside a planned
+    model, or shares a module with one; a module copied from a planned model carries a
+    copy of its plan that no model runs, and is planned anew). Each plan prices its
+    model's step as the only plan running, and one inside the other kept both from
+    running as planned: the step ran unplanned, over its budget, silently."""
     own = getattr(model, _RUNTIME, None)
     for path, module in model.named_modules():
         if path and _RUNTIME in module.__dict__:
@@ -242,11 +250,11 @@ def _check_not_nested(model: nn.Module) -> None:
                                "cannot run inside this one: take it off first (optremat.remove(model."
                                f"get_submodule({path!r}))) and let this plan cover the whole step")
         state = module.__dict__.get(_REGION)
-        if state is not None and state.runtime is not None and state.runtime is not own:
+        if state is not None and state.runtime is not own and state.runtime in _INSTALLED:
             runs = f"checkpoints its module {path!r}" if path else "runs its forward"
-            raise PlanMismatch(f"{type(model).__name__} runs inside another model whose plan {runs}, and the two "
-                               "plans cannot run one inside the other: apply only one of them (optremat.remove on "
-                               "the other first)")
+            raise PlanMismatch(f"{type(model).__name__} runs inside another model, or shares a module with one, "
+                               f"whose plan {runs}, and two plans cannot run one inside the other: apply only one "
+                               "of them (optremat.remove on the other first)")
 
 
 def _take_over(model: nn.Module, path: str) -> None:
@@ -286,6 +294,7 @@ def remove(model: nn.Module) -> nn.Module:
             module.forward = state.forward
         else:
             del module.forward
+    _INSTALLED.discard(getattr(model, _RUNTIME))
     delattr(model, _RUNTIME)
     return model
 

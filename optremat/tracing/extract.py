@@ -413,7 +413,8 @@ def _held(out: Any) -> list[torch.Tensor]:
 def _set_by_forward(model: nn.Module) -> list[torch.Tensor]:
     """The tensors the step made that modules hold as attributes once the forward returns
     (the weight `torch.nn.utils.weight_norm`'s or `spectral_norm`'s hook computes before
-    each call, a table cached on first use), returned by the traced step so that they live
+    each call, a table a forward caches as an attribute; not one kept in a container or on
+    a helper object), returned by the traced step so that they live
     through the backward, as the module holds them until its next call: a plan
     checkpointing the call that reads one was priced as if it freed it, and the step
     measured 1.3 times its prediction."""
@@ -1001,15 +1002,17 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
     failed = dict(model.named_modules()).get(where, model)
     cumulative = [path for path, m in model.named_modules()
                   if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None]
+    data_dependent = ("data-dependent" in text or "_local_scalar_dense" in text
+                      or "DataDependent" in type(error).__name__)
     if isinstance(failed, nn.RNNBase) and "FakeTensor" in text:
         hint = ("an RNN given a PackedSequence runs as many steps per sequence as its lengths' values say, which "
                 "no trace on fake tensors can follow: optremat cannot plan it yet; run the RNN on the padded batch "
                 "to plan it")
-    elif cumulative and (where in cumulative or not where):
+    elif cumulative and (where in cumulative or not where) and data_dependent:
         hint = (f"a BatchNorm with momentum=None ('{where or cumulative[0]}') keeps a cumulative average, weighting "
                 "each step by 1 / num_batches_tracked read as a Python number, which a trace on fake tensors "
                 "cannot read: optremat cannot plan it; give it a momentum (PyTorch's default is 0.1)")
-    elif "data-dependent" in text or "_local_scalar_dense" in text or "DataDependent" in type(error).__name__:
+    elif data_dependent:
         hint = ("the model reads a tensor's value in Python (.item(), .tolist(), `if tensor:`) that the trace "
                 "cannot compute from the example batch (it follows a random op, or the model is on the meta "
                 "device); make that check skippable during tracing or move it out of forward")

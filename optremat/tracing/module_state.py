@@ -62,6 +62,8 @@ _GENERATORS = tuple(_GENERATOR_STATES)
 _OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
            types.BuiltinFunctionType)
 """Values a walk does not enter: modules (walked on their own), tensors, classes, functions."""
+_NOT_OBJECTS = PLAIN + _OPAQUE
+"""Values that are no plain object whose attributes a rerun gets back (`attribute_spaces`)."""
 _REFRESHED: dict[type, tuple[str, ...]] = {nn.RNNBase: ("_flat_weights", "_flat_weight_refs")}
 """Attributes a module's forward sets again from its parameters, the same on every call:
 an RNN's lists of its weights and of references to them, rebuilt when they were swapped (as
@@ -132,14 +134,18 @@ def python_state(module: nn.Module) -> tuple[Any, ...]:
 def attribute_spaces(modules: Iterable[nn.Module]) -> list[tuple[Any, dict[str, Any]]]:
     """Each module with a copy of its `__dict__` as it is now, and each plain object one of
     them holds as an attribute (a model's config) with a copy of its own: what a rerun
-    under checkpoint must find as the call found it (`restored_plain`). Copied whole:
-    picking out the plain values there took twice what the rest of a call's setup takes."""
+    under checkpoint must find as the call found it (`restored_plain`). Each `__dict__`
+    is copied whole: picking out its plain values took twice what the rest of a call's
+    setup takes."""
     spaces: dict[int, tuple[Any, dict[str, Any]]] = {}
     for module in modules:
         spaces.setdefault(id(module), (module, dict(module.__dict__)))
         for name, value in module.__dict__.items():
-            if (id(value) not in spaces and not isinstance(value, PLAIN + _OPAQUE) and _kind(value) is None
-                    and not _ignored(name, value) and (space := _live_dict(value)) is not None):
+            if (name in _OWN or isinstance(value, _NOT_OBJECTS) or id(value) in spaces or _kind(value) is not None
+                    or _ignored(name, value)):
+                continue
+            space = _live_dict(value)
+            if space is not None:
                 spaces[id(value)] = (value, dict(space))
     return list(spaces.values())
 
