@@ -267,8 +267,8 @@ def _take_over(model: nn.Module, path: str) -> None:
     # buffers named under the first path alone
     mutated = tuple(name for name, buffer in module.named_buffers() if id(buffer) in written)
     state = module.__dict__.get(_REGION)
-    if state is not None:
-        state.runtime, state.mutated = runtime, mutated
+    if state is not None:  # taken over before: by this model's last plan, or in the model it was copied from
+        state.path, state.runtime, state.mutated = path, runtime, mutated
         return
     owned = "forward" in module.__dict__
     setattr(module, _REGION, _RegionState(path, module.forward if owned else type(module).forward, owned,
