@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
@@ -126,8 +126,8 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
         fixed.insert(at, False)
         resident = sum(t.numel() * t.element_size() for t in loss.outside if id(t) not in graph_inputs)
         if resident:
-            graph = _with_node(graph, len(primals), name=OUTSIDE, op="outside", kind="param", size=resident,
-                               backward=False, output=False)
+            graph = graph.with_node(len(primals), name=OUTSIDE, op="outside", kind="param", size=resident,
+                                    backward=False, output=False)
             fixed.insert(len(primals), False)
     return JointStep(graph, {n.name: n for n in ordered}, np.array(fixed, dtype=bool),
                      frozenset(n.name for n in mutated))
@@ -165,31 +165,9 @@ def _with_loss_node(graph: Graph, at: int, reads: list[int], loss: LossPrice, gr
     producing the `gradients` nodes that had indices `at` onwards."""
     # the node holds its size from when it runs and its workspace while it runs: the gradients
     # outside the graph, made by the loss's end, are held on, and its peak stays the loss's own
-    return _with_node(graph, at, name=LOSS, op="loss", kind="op", cost=loss.cost, size=loss.gradients,
-                      workspace=max(loss.bytes - loss.gradients, 0), backward=True, output=True, reads=reads,
-                      feeds=[at + k for k in range(gradients)])
-
-
-def _with_node(graph: Graph, at: int, *, name: str, op: str, kind: str, size: int, backward: bool, output: bool,
-               cost: float = 0.0, workspace: int = 0, reads: Sequence[int] = (), feeds: Sequence[int] = ()) -> Graph:
-    """`graph` with a node of no fx node inserted at index `at`, reading the nodes
-    `reads` and read by `feeds` (indices before the insertion)."""
-    def shifted(i: int) -> int:
-        return i + (i >= at)
-
-    def column(values: Any, value: Any) -> list:
-        out = list(values)
-        out.insert(at, value)
-        return out
-
-    edges = ([(shifted(a), shifted(b)) for a, b in graph.edges.tolist()]
-             + [(shifted(r), at) for r in reads] + [(at, shifted(f)) for f in feeds])
-    return Graph.build(names=column(graph.names, name), ops=column(graph.ops, op), cost=column(graph.cost, cost),
-                       size=column(graph.size, size), backward=column(graph.backward, backward),
-                       kind=column(graph.kind, kind), module=column(graph.module, ""),
-                       alias_of=column([shifted(a) if a >= 0 else -1 for a in graph.alias_of.tolist()], -1),
-                       output=column(graph.output, output), edges=edges, fusible=column(graph.fusible, False),
-                       workspace=column(graph.workspace, workspace), tensor=column(graph.tensor, ""))
+    return graph.with_node(at, name=LOSS, op="loss", kind="op", cost=loss.cost, size=loss.gradients,
+                           workspace=max(loss.bytes - loss.gradients, 0), backward=True, output=True, reads=reads,
+                           feeds=[at + k for k in range(gradients)])
 
 
 def _module_path(node: torch.fx.Node) -> str:

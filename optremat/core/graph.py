@@ -288,6 +288,31 @@ class Graph:
         """Cost of the unplanned step: every node once."""
         return float(self.cost.sum())
 
+    def with_node(self, at: int, *, name: str, op: str, kind: str, size: int, backward: bool, output: bool,
+                  cost: float = 0.0, workspace: int = 0, reads: Sequence[int] = (),
+                  feeds: Sequence[int] = ()) -> "Graph":
+        """This graph with a node inserted at index `at`, reading the nodes `reads` and
+        read by `feeds` (indices before the insertion); it holds nothing beyond its own
+        output and workspace."""
+        def shifted(i: int) -> int:
+            return i + (i >= at) if i >= 0 else i
+
+        def column(values: Iterable[Any], value: Any) -> list:
+            out = list(values)
+            out.insert(at, value)
+            return out
+
+        edges = ([(shifted(a), shifted(b)) for a, b in self.edges.tolist()]
+                 + [(shifted(r), at) for r in reads] + [(at, shifted(f)) for f in feeds])
+        return Graph.build(names=column(self.names, name), ops=column(self.ops, op), cost=column(self.cost, cost),
+                           size=column(self.size, size), backward=column(self.backward, backward),
+                           kind=column(self.kind, kind), module=column(self.module, ""),
+                           alias_of=column(map(shifted, self.alias_of.tolist()), -1),
+                           output=column(self.output, output), edges=edges, fusible=column(self.fusible, False),
+                           workspace=column(self.workspace, workspace),
+                           tensor=column(self.tensor, "") if self.tensor else None, held=column(self.held, 0),
+                           lives_to=column(map(shifted, self.lives_to.tolist()), -1))
+
     def to_networkx(self) -> nx.DiGraph:
         """A networkx view for algorithms; node attributes mirror the columns."""
         g = nx.DiGraph()

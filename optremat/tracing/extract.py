@@ -300,12 +300,7 @@ def _ended(graph: Graph) -> Graph:
     exist: the temporaries of a backward formula ending the graph (`y.square()`'s:
     `grad * (2 * y.pow(1))`, each held until the product returns) were dropped before
     its last op, and a loss's price fell one output short of what eager holds."""
-    return Graph.build(names=[*graph.names, "end"], ops=[*graph.ops, "end"], cost=[*graph.cost, 0.0],
-                       size=[*graph.size, 0], backward=[*graph.backward, True], kind=[*graph.kind, "op"],
-                       module=[*graph.module, ""], alias_of=[*graph.alias_of, -1], output=[*graph.output, False],
-                       edges=[tuple(e) for e in graph.edges.tolist()], fusible=[*graph.fusible, False],
-                       workspace=[*graph.workspace, 0], tensor=[*graph.tensor, ""] if graph.tensor else None,
-                       held=[*graph.held, 0], lives_to=[*graph.lives_to, -1])
+    return graph.with_node(graph.n, name="end", op="end", kind="op", size=0, backward=True, output=False)
 
 
 def _outside_leaves(out: Any, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[torch.Tensor, ...]:
