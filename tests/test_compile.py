@@ -869,6 +869,9 @@ def test_compile_causal_lm_refuses_what_it_cannot_run() -> None:
         optremat.compile_causal_lm(model, optremat.compile_backend(0.5, loss_fn=lambda out: out.sum()))
     with pytest.raises(TypeError, match="compile_backend"):
         optremat.compile_causal_lm(model, "inductor")
+    optremat.compile_causal_lm(model, optremat.compile_backend(0.5))
+    with pytest.raises(optremat.PlanMismatch, match="LlamaModel is a module of a LlamaForCausalLM whose plan"):
+        optremat.apply(model.model, optremat.price_regions(model.model, (batch["input_ids"],), []))
 
 
 @pytest.mark.slow

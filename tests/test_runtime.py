@@ -794,7 +794,9 @@ def test_a_plan_applied_inside_another_models_plan_is_refused() -> None:
         optremat.apply(model, outer)
     optremat.remove(backbone)
     assert runs_as_priced(model, outer)
-    with pytest.raises(optremat.PlanMismatch, match="runs inside another model, or shares a module with one"):
+    with pytest.raises(optremat.PlanMismatch, match="Sequential is a module of a Sequential whose plan is applied"):
         optremat.apply(backbone, priced(backbone, "[0:2]", "2[0:2]"))
+    with pytest.raises(optremat.PlanMismatch, match="shares a module with one"):
+        optremat.apply(shared := nn.Sequential(backbone[3]), priced(shared, "0"))
     copied = nn.Sequential(*(copy.deepcopy(block) for block in backbone))  # block 3 was taken over as "0.3"
     assert runs_as_priced(copied, priced(copied, "3[0:2]"))

@@ -49,9 +49,9 @@ from optremat.tracing.kv_cache import receives_cache
 from optremat.tracing.module_state import INSTALLED, attribute_spaces, restored_plain
 
 _RUNTIME, _REGION = INSTALLED
-_INSTALLED: weakref.WeakSet = weakref.WeakSet()
-"""The runtimes installed on a model now (a module copied from a planned one carries a
-copy of its runtime that no model runs)."""
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The runtimes installed on a model now, each to a weak reference to its model (a
+module copied from a planned one carries a copy of its runtime that no model runs)."""
 
 
 class PlanMismatch(ValueError):
@@ -199,7 +199,7 @@ def install(model: nn.Module, regions: tuple[Region, ...], *, training: bool, fi
     remove(model)
     runtime = _Runtime(regions, training, choose, mutated_buffers, forward)
     setattr(model, _RUNTIME, runtime)
-    _INSTALLED.add(runtime)
+    _INSTALLED[runtime] = weakref.ref(model)
     for path in runtime.paths:
         _take_over(model, path)
     return model
@@ -236,14 +236,22 @@ def check(model: nn.Module, regions: tuple[Region, ...], mutated_buffers: tuple[
 
 
 def _check_not_nested(model: nn.Module) -> None:
-    """Raise PlanMismatch where another model's plan is installed on a module of `model`:
-    a submodule planned on its own (a backbone planned, then put in a larger model), or
-    modules another model's installed plan took over (`model` runs inside a planned
-    model, or shares a module with one; a module copied from a planned model carries a
-    copy of its plan that no model runs, and is planned anew). Each plan prices its
+    """Raise PlanMismatch where another model's plan is installed on a module of `model`
+    or on a model holding it: a submodule planned on its own (a backbone planned, then
+    put in a larger model), `model` a module of a planned model (whether or not that plan
+    checkpoints it; `compile_causal_lm` takes over only the model itself), or modules
+    another model's installed plan took over (`model` shares a module with one; a module
+    copied from a planned model carries a copy of its plan that no model runs, and is
+    planned anew). Each plan prices its
     model's step as the only plan running, and one inside the other kept both from
     running as planned: the step ran unplanned, over its budget, silently."""
     own = getattr(model, _RUNTIME, None)
+    for runtime, planned in list(_INSTALLED.items()):
+        outer = planned()
+        if runtime is not own and outer is not None and any(module is model for module in outer.modules()):
+            raise PlanMismatch(f"{type(model).__name__} is a module of a {type(outer).__name__} whose plan is "
+                               "applied, and two plans cannot run one inside the other: apply only one of them "
+                               "(optremat.remove on the other first)")
     for path, module in model.named_modules():
         if path and _RUNTIME in module.__dict__:
             raise PlanMismatch(f"{type(model).__name__}'s module {path!r} has a plan of its own applied, which "
@@ -294,7 +302,7 @@ def remove(model: nn.Module) -> nn.Module:
             module.forward = state.forward
         else:
             del module.forward
-    _INSTALLED.discard(getattr(model, _RUNTIME))
+    _INSTALLED.pop(getattr(model, _RUNTIME), None)
     delattr(model, _RUNTIME)
     return model
 
