@@ -43,9 +43,15 @@ NOTES = [
     "Without it (the same code with the composition left out, on this machine) the rows were +6.57% (8 layers, "
     "11.7 s), +6.05% (16, 11.6 s) and +5.83% (32, 13.6 s, PyTorch's 0.7 partition filled); the table before "
     "had +6.49% at 64 (24.2 s, the op-level search's plan): the same plans at 8 and 16 layers, "
-    "at 32 one 0.04 points dearer in 1.4 s less, at 64 one 0.75 points cheaper in 9 s less. Planning still "
-    "runs past the 10 s limit as the graph grows: the op-level search's model is built and solved beside the "
-    "composition's pricing (about 1 s of Python a choice at 32 layers), and contends with it for the GIL.",
+    "at 32 one 0.04 points dearer in 1.4 s less, at 64 one 0.75 points cheaper in 9 s less.",
+    "",
+    "The op-level search now ends a second before the limit, and no partition, composition or filling step is "
+    "begun that would end past the limit if it took as long as the one before (`optremat.core.deadline`): "
+    "before, the solver's plan searched the whole limit and was then filled for a second more, and a step begun "
+    "just before the limit ran its length past it; the rows took 11.2 s (8 layers), 11.6 s (16), 12.1 s (32) "
+    "and 16.9 s (64), for the same plans. At 64 layers the op-level search still runs past the limit: its "
+    "model of 14,411 nodes is built and solved beside the composition's pricing, and contends with it for the "
+    "GIL.",
 ]
 
 

@@ -32,6 +32,7 @@ from optremat.compiler.known import known, remember
 from optremat.compiler.partition import partition, writable
 from optremat.compiler.torch_partitions import FRACTIONS, RIVALS, Rival, torch_keep_set
 from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
+from optremat.core.deadline import ends_before
 from optremat.core.graph import Graph, format_bytes
 from optremat.core.order import best_order, sunk_views
 from optremat.core.schedule import (Schedule, SimResult, from_kept, keep_all, kept_for_backward, simulate,
@@ -51,7 +52,8 @@ from optremat.tracing.lm_loss import AUTO, CausalLMLoss, install
 
 INNER = ("inductor", "aot_eager")
 GRACE = 1.0
-"""Seconds the solver's own plan may be filled for when its search used up the time limit."""
+"""Seconds of the time limit the solver's own search leaves for its plan to be priced as
+compiled and filled."""
 ORDERS = ("traced", "best")
 COMPOSED_FIRST = 5000
 """Graphs of more nodes have the plan composed over their alike blocks made before
@@ -197,10 +199,12 @@ class Partitioner(CustomPartitionerFn):
         filled is priced +3.29%, its 0.5 partition filled +4.38%). When none fits, the
         least-peak plan of the heuristics' and those others' is the last try, and its peak
         the smallest budget named: compiling again at it always finds that plan. Unless
-        `deterministic`, no rival partition is begun (but the first when nothing fits yet)
-        and no filling goes on past the time limit (the solver's own plan gets GRACE
-        seconds): on a 32-layer Llama PyTorch's partitions took 3-8 s each, and the 11 of
-        them, filled, 110 s on a 10 s limit."""
+        `deterministic`, the solver searches for the time limit less GRACE seconds, and no
+        rival partition and no step of a filling is begun that its predecessor's time says
+        would end past the limit (but the first partition when nothing fits yet): on a
+        32-layer Llama PyTorch's partitions took 3-8 s each, and the 11 of them, filled,
+        110 s on a 10 s limit; the solver's plan filled after a search of the whole limit
+        ended 1.3-2.5 s past it."""
         started = time.perf_counter()
         deadline = None if self.deterministic else started + time_limit
         graph = self._ordered(step)
@@ -212,10 +216,9 @@ class Partitioner(CustomPartitionerFn):
                          if self.solver == "auto" else None)
             filling = None if competing is None else pool.submit(
                 lambda: self._fitting(step, found_before, budget_bytes, deadline))
-            solved = self._solved(step, graph, budget_bytes, started, time_limit)
-            # the solver's plan is filled for at least GRACE seconds, as plan_step retries for 1 s
-            fitting = self._fitting(step, [solved], budget_bytes,
-                                    None if deadline is None else max(deadline, time.perf_counter() + GRACE))
+            solved = self._solved(step, graph, budget_bytes, started,
+                                  time_limit if deadline is None else max(time_limit - GRACE, time_limit / 2))
+            fitting = self._fitting(step, [solved], budget_bytes, deadline)
             if competing is not None:
                 fitting += competing.result()[1] + filling.result()
         others = ([] if competing is None else competing.result()[0]) + found_before
@@ -247,9 +250,12 @@ class Partitioner(CustomPartitionerFn):
         as they come (`_fitting`), in the order `_next_fraction` gives: toward the largest
         fraction that fits, which filling usually makes the cheapest. The plan composed
         over the step's alike blocks (`_composed`) fits with them: on a graph of more than
-        COMPOSED_FIRST nodes it is made first, on a smaller one last, and not begun past
-        `deadline` then. Past `deadline` no partition is begun, but the first when nothing
-        fits yet (on a 64-layer Llama one partition took 10.6 s)."""
+        COMPOSED_FIRST nodes it is made first, on a smaller one last, and not begun when
+        solving one block's options would end past `deadline`. No partition is begun that
+        would end past `deadline` if it took as long as the last (the first: half the time
+        there was), but the first when nothing fits yet (on a 64-layer Llama one partition
+        took 10.6 s)."""
+        took = 0.0 if deadline is None else (deadline - time.perf_counter()) / 2  # until a partition is timed
         first = graph.n > COMPOSED_FIRST
         composed = self._composed(step, graph, budget_bytes, deadline) if first else []
         fitting = self._fitting(step, composed, budget_bytes, deadline)
@@ -259,7 +265,8 @@ class Partitioner(CustomPartitionerFn):
         fails: list[float] = []
         priced: list[tuple[float, Plan]] = []
         seen: set[bytes] = set()
-        while pending and ((not priced and not fitting) or deadline is None or time.perf_counter() < deadline):
+        while pending and ((not priced and not fitting) or ends_before(deadline, took)):
+            begun = time.perf_counter()
             fraction = _next_fraction(pending, share, fits, fails)
             pending.remove(fraction)
             kept = rival(graph, fraction)
@@ -270,9 +277,10 @@ class Partitioner(CustomPartitionerFn):
             seen.add(kept.tobytes())
             plan = self._as_compiled(step, kept_plan(graph, kept, f"PyTorch min-cut at {fraction:g}", share=self.share))
             priced.append((fraction, plan))
+            took = time.perf_counter() - begun
             fitting += self._fitting(step, [plan], budget_bytes, deadline)
             (fits if plan.predicted_peak_bytes <= budget_bytes else fails).append(fraction)
-        if not first and (deadline is None or time.perf_counter() < deadline):
+        if not first and ends_before(deadline, self._compose_seconds):
             composed = self._composed(step, graph, budget_bytes, deadline)
             fitting += self._fitting(step, composed, budget_bytes, deadline)
         return composed + [plan for _, plan in sorted(priced, key=lambda item: -item[0])], fitting
@@ -283,9 +291,8 @@ class Partitioner(CustomPartitionerFn):
         choice priced as compiled) that fits the budget; none when the step has no such
         chain or no choice fits."""
         blocks = find_blocks(graph)
-        limit = min(COMPOSE_SECONDS, self.time_limit / 4)
-        options = [] if blocks is None else block_options(graph, blocks, self._fixed(step, graph), limit,
-                                                          self.deterministic)
+        options = [] if blocks is None else block_options(graph, blocks, self._fixed(step, graph),
+                                                          self._compose_seconds, self.deterministic)
         if not options:
             return []
 
@@ -297,6 +304,11 @@ class Partitioner(CustomPartitionerFn):
             return []
         name = f"{len(blocks.nodes)} blocks of {blocks.prefix or 'the model'} composed"
         return [self._as_compiled(step, kept_plan(graph, kept, name, share=self.share))]
+
+    @property
+    def _compose_seconds(self) -> float:
+        """The most seconds one block's options take to solve."""
+        return min(COMPOSE_SECONDS, self.time_limit / 4)
 
     def _solved(self, step: JointStep, graph: Graph, budget_bytes: int, started: float, time_limit: float
                 ) -> Plan | None:
@@ -329,12 +341,14 @@ class Partitioner(CustomPartitionerFn):
         recomputed = np.unique(schedule.node[schedule.stage != schedule.node])
         order = recomputed[np.argsort(-graph.cost[recomputed] / np.maximum(graph.size[recomputed], 1), kind="stable")]
         base = kept_for_backward(graph, schedule)
-        best, lo, hi = plan, 1, len(order)
-        while lo <= hi and (deadline is None or time.perf_counter() < deadline):
+        best, lo, hi, took = plan, 1, len(order), 0.0
+        while lo <= hi and ends_before(deadline, took):
+            begun = time.perf_counter()
             mid = (lo + hi) // 2
             kept = base.copy()
             kept[order[:mid]] = True
             trial = self._as_compiled(step, kept_plan(graph, kept, f"{plan.solver}, saving more", share=self.share))
+            took = time.perf_counter() - begun
             if trial.predicted_peak_bytes > budget_bytes:
                 hi = mid - 1
                 continue

@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
+from optremat.core.deadline import ends_before
 from optremat.core.graph import Graph
 from optremat.ilp.search import configure
 
@@ -205,14 +206,20 @@ def compose(blocks: Blocks, options: list[Option], base: np.ndarray, budget_byte
     the blocks keep grow and their recomputation shrinks from level to level. The
     smallest and largest levels are priced, then levels between a fitting and a
     failing one, each where a line through their peaks meets the budget (at most
-    PROBES, none past `deadline`, a `time.perf_counter` time). None when the smallest
-    level does not fit."""
+    PROBES, none that would end past `deadline`, a `time.perf_counter` time, if it took
+    as long as the last). None when the smallest level does not fit."""
     count = len(blocks.nodes)
     levels = _levels([o.bytes for o in options], count)
     kept_bytes = [k for k, _, _ in levels]
 
+    took = 0.0
+
     def peak(level: int) -> int:
-        return price(_mask(blocks, options, base, *levels[level][1:]))
+        nonlocal took
+        begun = time.perf_counter()
+        priced = price(_mask(blocks, options, base, *levels[level][1:]))
+        took = time.perf_counter() - begun
+        return priced
 
     low, high = 0, len(levels) - 1
     peaks = {low: peak(low)}
@@ -223,7 +230,7 @@ def compose(blocks: Blocks, options: list[Option], base: np.ndarray, budget_byte
         if peaks[high] <= budget_bytes:
             low = high
     for _ in range(PROBES):
-        if high - low <= 1 or (deadline is not None and time.perf_counter() >= deadline):
+        if high - low <= 1 or not ends_before(deadline, took):
             break
         target = kept_bytes[low] + ((budget_bytes - peaks[low]) * (kept_bytes[high] - kept_bytes[low])
                                     / (peaks[high] - peaks[low]))
