@@ -43,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from optremat.planners.regions import Region, parse_span
 from optremat.planning.native import runs_its_children
 from optremat.runtime.caller import warn
-from optremat.tracing.extract import tracing
+from optremat.tracing.extract import host_random_kept, host_random_states, tracing
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.kv_cache import receives_cache
 from optremat.tracing.module_state import INSTALLED, attribute_spaces, restored_plain
@@ -426,7 +426,7 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
     owners = list(dict.fromkeys(owner for module in running for owner in module.modules()))
     tensors = _tensors_of(owners, {(id(owner), name) for owner, name in buffers})
     found = _Found(region.path, tensors, [None if _unchecked(t) else t._version for *_, t in tensors],
-                   attribute_spaces(owners))
+                   attribute_spaces(owners), host_random_states())
     if not region.saved:
         return contextlib.nullcontext(), _Rerun(found, held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
@@ -444,16 +444,18 @@ def _unchecked(tensor: torch.Tensor) -> bool:
 
 class _Found:
     """What one call of a region found as it started: the tensors its modules held, their
-    version counters (None for those left unchecked, `_unchecked`), and a copy of the
+    version counters (None for those left unchecked, `_unchecked`), a copy of the
     `__dict__` of each of its modules and of the plain objects they hold
-    (`module_state.attribute_spaces`)."""
+    (`module_state.attribute_spaces`), and the states of numpy's and Python's random
+    number generators (`host_random_states`)."""
 
     def __init__(self, path: str, tensors: "Tensors", versions: list[int | None],
-                 attributes: list[tuple[Any, dict[str, Any]]]) -> None:
+                 attributes: list[tuple[Any, dict[str, Any]]], random_states: tuple[Any, Any]) -> None:
         self.path = path
         self.tensors = tensors
         self.versions = versions
         self.attributes = attributes
+        self.random_states = random_states
 
     def check_unwritten(self) -> None:
         """Refuse a rerun reading a parameter or buffer written in place since the call ran."""
@@ -514,7 +516,10 @@ class _Rerun:
     the call found, and so are those of the plain objects they hold (`restored_plain`):
     `model.eval()`, a schedule's new temperature set before the backward, or a config
     field a head sets on the first call (transformers' `problem_type`) must not change
-    what a rerun computes."""
+    what a rerun computes. numpy's and Python's random number generators are at the
+    states the call found, and after the rerun as it found them: plans never checkpoint
+    a call drawing from them, but one may begin to after planning (a noise switched on
+    for training)."""
 
     def __init__(self, found: _Found, held: list[tuple[nn.Module, str, torch.Tensor]], recompute: Any) -> None:
         self.found = found
@@ -527,6 +532,7 @@ class _Rerun:
         self.stack.enter_context(_swapped(self.found.tensors))
         self.stack.enter_context(_scratch(self.held))
         self.stack.enter_context(restored_plain(self.found.attributes))
+        self.stack.enter_context(host_random_kept(self.found.random_states))
         if self.recompute is not None:
             self.stack.enter_context(self.recompute)
             self.recompute = None

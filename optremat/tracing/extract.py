@@ -191,7 +191,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             _grouped_mm_in_any_float(), eager_mask_decisions(leaves), \
             _module_paths(model, cached, host_drawing, stateful) as stack, _python_holds(model) as holds, \
             fx_traceback.preserve_node_meta():
-        host_random = _host_random()
+        host_random = host_random_states()
         try:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True,
                          decomposition_table=DECOMPOSITIONS)(*args)
@@ -199,7 +199,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             raise
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, stack[-1][0])) from error
-        drew = not _same_host_random(host_random, _host_random())
+        drew = not _same_host_random(host_random, host_random_states())
     if drew:
         named = sorted({path for path, _ in host_drawing}) or [f"{type(model).__name__}.forward"]
         warnings.warn(f"optremat: the step draws from Python's or numpy's random numbers (in {', '.join(named)}), "
@@ -613,7 +613,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
     def enter(path: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
-            states.append((_host_random(), module_state.python_state(module)))
+            states.append((host_random_states(), module_state.python_state(module)))
             began.append((tuple(stack[1:]), module, states[-1][1], module_state.attribute_spaces([module])))
             count[path] = count.get(path, 0) + 1
             if receives_cache(args, kwargs):
@@ -623,7 +623,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         host_random, python = states.pop()
-        if not _same_host_random(host_random, _host_random()):
+        if not _same_host_random(host_random, host_random_states()):
             drawing.add(stack[-1])
         if python != module_state.python_state(module):
             stateful.update(stack[1:])  # the calls around it rerun it too
@@ -678,7 +678,7 @@ def _reentrant_checkpoint_refused() -> Iterator[None]:
             function.apply = before
 
 
-def _host_random() -> tuple[Any, Any]:
+def host_random_states() -> tuple[Any, Any]:
     """The states of numpy's and Python's global random number generators."""
     return np.random.get_state(), random.getstate()
 
@@ -688,11 +688,15 @@ def _same_host_random(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
 
 
 @contextmanager
-def host_random_kept() -> Iterator[None]:
+def host_random_kept(at: tuple[Any, Any] | None = None) -> Iterator[None]:
     """Leave numpy's and Python's random number generators as they were: tracing runs the
     model's Python (and reading an example batch a collator's), and a draw there would
-    change what training draws next."""
-    numpy_state, python_state = _host_random()
+    change what training draws next. With `at` (their `host_random_states()`), they are
+    at those states while it lasts."""
+    numpy_state, python_state = host_random_states()
+    if at is not None:
+        np.random.set_state(at[0])
+        random.setstate(at[1])
     try:
         yield
     finally:
