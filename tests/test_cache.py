@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -16,10 +17,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 import torch.nn as nn
 
 import optremat
 from optremat.ilp.region_cpsat import RegionSolution
+from optremat.planners.regions import parse_span
 from optremat.planning import model as planning
 from optremat.planning import native as native_plan
 from tests.console import Ran, run
@@ -62,6 +65,34 @@ def test_another_budget_or_solver_is_another_entry(tmp_path) -> None:
     optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, time_limit=5, cache=tmp_path)
     optremat.plan(model, inputs, 0.8, loss_fn=loss_fn, solver="greedy", cache=tmp_path)
     assert len(list(tmp_path.glob("*.plan.json"))) == 3
+
+
+def test_a_model_whose_edited_code_rules_calls_out_is_another_entry(tmp_path) -> None:
+    """A block edited to draw from Python's random numbers (the same class name,
+    parameters and ops) got the plan cached for its pure version, checkpointing calls a
+    plan made afresh never checkpoints: the key now holds which calls plans may
+    checkpoint, and the buffers the step writes."""
+    def build(drawing: bool) -> nn.Module:
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a, self.b = nn.Linear(32, 128), nn.Linear(128, 32)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                scale = random.uniform(0.5, 1.0) if drawing else 0.75
+                return x + self.b(torch.tanh(self.a(x)) * scale)
+
+        torch.manual_seed(0)
+        return nn.Sequential(*[Block() for _ in range(6)], nn.Linear(32, 32))
+
+    x = torch.randn(512, 32)
+    first = optremat.plan(build(False), (x,), 0.7, loss_fn=lambda out: out.square().mean(), time_limit=5,
+                          deterministic=True, cache=tmp_path)
+    assert any(parse_span(r.path) is not None or r.path in "012345" for r in first.regions)
+    with pytest.warns(UserWarning, match="random numbers"), pytest.raises(optremat.InfeasibleBudget,
+                                                                         match=r"no plan checkpoints 0 \(call 0\)"):
+        optremat.plan(build(True), (x,), 0.7, loss_fn=lambda out: out.square().mean(), time_limit=5,
+                      deterministic=True, cache=tmp_path)
 
 
 def same_plan(a: optremat.Plan, b: optremat.Plan) -> bool:

@@ -72,7 +72,9 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     if given, is called as the search goes: (seconds, overhead, proven lower bound on
     the overhead).
     `cache`, a directory, keeps plans across runs: a second call for the same model,
-    shapes, budget and options loads the plan and runs no solver. `deterministic=True`
+    shapes, budget and options loads the plan and runs no solver (the key holds the
+    traced graph, which module calls plans may checkpoint and which buffers the step
+    writes, so code edited to draw random numbers or write state is planned again). `deterministic=True`
     gives the exact solver `time_limit` of deterministic time instead of seconds, so
     that the same call returns the same plan on any machine load. `parallel` plans one
     rank of an FSDP2 or DDP job (`optremat.FSDP`, `optremat.DDP`); a causal LM's own
@@ -145,7 +147,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     if cache is None:
         return solved()
     store = PlanCache(cache)
-    key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), budget=budget_bytes, solver=solver,
+    key = store.key(graph=graph.fingerprint, model=model_fingerprint(model), regions=rmap.candidates(),
+                    mutated_buffers=traced.mutated_buffers, budget=budget_bytes, solver=solver,
                     seed=seed, deterministic=deterministic, cost_model=cost_model, device=str(device_name),
                     training=model.training, version=package_version(),
                     lm_head=None if head is None else {"head": head, "chunks": asked},
