@@ -1146,6 +1146,25 @@ def test_what_a_loop_changes_between_forward_and_backward_reaches_no_rerun(chang
         assert_same(changed(model), changed(reference))
 
 
+def test_a_batch_norm_planned_frozen_and_trained_unfrozen_stops_naming_both_causes() -> None:
+    """BatchNorms in eval mode when planned (frozen) and trained after `model.train()`:
+    their forward now writes the running statistics the plan does not protect, and the
+    rerun would read them written. The backward stopped blaming a write the loop never
+    made; it now names the change of mode too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh()) for _ in range(3)])
+    x = torch.randn(128, 32)
+    for norm in model.modules():
+        if isinstance(norm, nn.BatchNorm1d):
+            norm.eval()
+    plan = optremat.price_regions(model, (x,), [Region("0", 0)], loss_fn=loss_fn)
+    assert plan.mutated_buffers == ()
+    optremat.apply(model, plan).train()
+    with pytest.raises(RuntimeError, match="BatchNorm1d in 0 was written in place between.*BatchNorm planned in eval "
+                                           "mode, frozen, and trained after model.train"):
+        loss_fn(model(x)).backward()
+
+
 class BiasedLast(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -462,11 +462,15 @@ class _Found:
         for (owner, kind, name, tensor), version in zip(self.tensors, self.versions):
             if version is not None and tensor._version != version:
                 what = "parameter" if kind == "_parameters" else "buffer"
+                where = self.path or "the model"
                 raise RuntimeError(
-                    f"optremat: the {what} {name!r} of a {type(owner).__name__} in {self.path or 'the model'} was "
-                    f"written in place between the forward of {self.path or 'the model'}, which the plan "
-                    "checkpoints, and its rerun in the backward, which would compute other values than the "
-                    "forward did; write it after the backward (or plan without checkpointing that call)")
+                    f"optremat: the {what} {name!r} of a {type(owner).__name__} in {where} was written in place "
+                    f"between the forward of {where}, which the plan checkpoints, and its rerun in the backward, "
+                    "which would compute other values than the forward did. Either the step wrote it (write it "
+                    "after the backward, or plan without checkpointing that call), or a module writes it now that "
+                    "did not when the plan was made (a BatchNorm planned in eval mode, frozen, and trained after "
+                    "model.train(): its forward writes its running statistics); plan again in the modes the "
+                    "modules train in")
 
 
 Tensors = list[tuple[nn.Module, str, str, torch.Tensor]]
