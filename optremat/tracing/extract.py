@@ -644,7 +644,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
 
     handles = [model.register_forward_hook(returned)]
     for path, module in model.named_modules():
-        if path:
+        if path and not isinstance(module, torch.jit.ScriptModule):
             handles.append(module.register_forward_pre_hook(enter(path), with_kwargs=True))
             handles.append(module.register_forward_hook(leave))
     try:
@@ -726,6 +726,8 @@ def _python_holds(model: nn.Module) -> Iterator[dict[str, str]]:
 
     handles = []
     for module in model.modules():
+        if isinstance(module, torch.jit.ScriptModule):  # takes no hooks; its calls are its caller's
+            continue
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True))
     try:
