@@ -410,6 +410,22 @@ def test_a_layer_drop_drawn_from_python_random_warns_that_the_plan_is_for_one_dr
         optremat.plan(model, (torch.randn(256, 64, dtype=torch.float64),), 1.0, loss_fn=loss_fn, time_limit=5)
 
 
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+def test_blocks_compiled_before_planning_are_refused_saying_to_plan_first(how: str) -> None:
+    """Regional compilation before planning: the trace failed inside dynamo and asked for
+    the op to be reported. The refusal now names the compiled block and the order that
+    works, which trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[mlp() for _ in range(3)])
+    x = torch.randn(64, 64)
+    if how == "module.compile":
+        model[1].compile(backend="eager")
+    else:
+        model[1] = torch.compile(model[1], backend="eager")
+    with pytest.raises(optremat.ExtractionError, match="module '1' is compiled .*plan and apply first, then compile"):
+        optremat.plan(model, (x,), 0.8, loss_fn=loss_fn, time_limit=5)
+
+
 def test_a_reentrant_checkpoint_or_a_sparse_gradient_is_refused_naming_it() -> None:
     """A reentrant checkpoint's backward runs outside the graph a trace follows, and a
     sparse gradient is not priced: both are refused by name, not traced wrong."""

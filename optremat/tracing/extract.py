@@ -30,6 +30,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils.checkpoint
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
@@ -1005,7 +1006,13 @@ def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
                   if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None]
     data_dependent = ("data-dependent" in text or "_local_scalar_dense" in text
                       or "DataDependent" in type(error).__name__)
-    if isinstance(failed, nn.RNNBase) and "FakeTensor" in text:
+    compiled = [path for path, m in model.named_modules()
+                if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)]
+    if compiled and "dynamo" in text:
+        hint = (f"module '{compiled[0] or type(model).__name__}' is compiled (module.compile() or torch.compile), "
+                "and a trace cannot enter compiled code: plan and apply first, then compile the modules (planned "
+                "modules run under torch.compile)")
+    elif isinstance(failed, nn.RNNBase) and "FakeTensor" in text:
         hint = ("an RNN given a PackedSequence runs as many steps per sequence as its lengths' values say, which "
                 "no trace on fake tensors can follow: optremat cannot plan it yet; run the RNN on the padded batch "
                 "to plan it")
