@@ -410,6 +410,31 @@ def test_a_layer_drop_drawn_from_python_random_warns_that_the_plan_is_for_one_dr
         optremat.plan(model, (torch.randn(256, 64, dtype=torch.float64),), 1.0, loss_fn=loss_fn, time_limit=5)
 
 
+class ScaledWeight(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 1.5 * w
+
+
+def test_parametrized_weights_computed_under_parametrize_cached_run_their_calls_unplanned() -> None:
+    """Under `parametrize.cached()`, as PyTorch's tutorial trains, a checkpointed call
+    computed a weight its rerun found cached and checkpoint stopped the backward. Such
+    calls now run as the model's own, with a warning, and train as unplanned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[mlp() for _ in range(3)]).double()
+    for block in model:
+        nn.utils.parametrize.register_parametrization(block[0], "weight", ScaledWeight())
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+    reference = copy.deepcopy(model)
+    plan = optremat.price_regions(model, inputs, [Region("0", 0), Region("1", 0)], loss_fn=loss_fn)
+    optremat.apply(model, plan)
+    with nn.utils.parametrize.cached():
+        want = step(reference, inputs)
+    with nn.utils.parametrize.cached(), pytest.warns(UserWarning, match=r"parametrize.cached\(\), whose cache"):
+        got = step(model, inputs)
+    assert_same(got, want)
+    assert_same(step(model, inputs), step(reference, inputs))
+
+
 @pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
 def test_blocks_compiled_before_planning_are_refused_saying_to_plan_first(how: str) -> None:
     """Regional compilation before planning: the trace failed inside dynamo and asked for

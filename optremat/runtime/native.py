@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+import torch.nn.utils.parametrize as parametrize
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
@@ -332,7 +333,8 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     region = runtime.regions.get((state.path, call))
-    if (region is not None or (state.path, call) in runtime.spans) and _left_out(runtime, state.path, args, kwargs):
+    if ((region is not None or (state.path, call) in runtime.spans)
+            and _left_out(runtime, module, state.path, args, kwargs)):
         return original(*args, **kwargs)
     if region is not None:
         # the call's keywords bound here: checkpoint would take one named as its own options (`debug`)
@@ -351,13 +353,15 @@ def _under_checkpoint() -> bool:
     return top is not None and getattr(top[0], "__module__", "") == torch.utils.checkpoint.__name__
 
 
-def _left_out(runtime: _Runtime, path: str, args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether a planned call runs as the model's own, with a warning once per reason:
-    inside the user's own checkpoint (its rerun in the backward, where the plan no longer
-    runs, must save what its forward saved), under a `torch.func` transform (`grad`,
-    `vmap`: they take no saved-tensor hooks, so no checkpoint), or handed a key/value
-    cache, which its rerun would write again (`tracing.kv_cache`; plans made with the
-    cache on leave such calls out, so this is a plan made with it off)."""
+def _left_out(runtime: _Runtime, module: nn.Module, path: str, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a planned call of `module` runs as the model's own, with a warning once per
+    reason: inside the user's own checkpoint (its rerun in the backward, where the plan
+    no longer runs, must save what its forward saved), under a `torch.func` transform
+    (`grad`, `vmap`: they take no saved-tensor hooks, so no checkpoint), handed a
+    key/value cache, which its rerun would write again (`tracing.kv_cache`; plans made
+    with the cache on leave such calls out, so this is a plan made with it off), or
+    computing parametrized weights under `parametrize.cached()` (the call computes one
+    its rerun finds cached, or the other way round, and checkpoint stops the backward)."""
     if receives_cache(args, kwargs):
         reason = ("is handed a key/value cache, which a rerun would write again, so the plan's checkpointing there "
                   "is left out (the step's memory is not the plan's); set use_cache=False for training, or plan "
@@ -369,6 +373,10 @@ def _left_out(runtime: _Runtime, path: str, args: tuple, kwargs: dict[str, Any])
     elif not torch.compiler.is_compiling() and _under_checkpoint():
         reason = ("runs inside torch.utils.checkpoint, so the plan's checkpointing there is left out (the step's "
                   "memory is not the plan's); remove that checkpoint to run the plan")
+    elif parametrize._cache_enabled and any(parametrize.is_parametrized(m) for m in module.modules()):
+        reason = ("computes parametrized weights under torch.nn.utils.parametrize.cached(), whose cache a rerun "
+                  "would not find as the call did, so the plan's checkpointing there is left out (the step's "
+                  "memory is not the plan's); train outside cached() to run the plan")
     else:
         return False
     if reason not in runtime.left_out:
