@@ -410,9 +410,9 @@ def test_a_layer_drop_drawn_from_python_random_warns_that_the_plan_is_for_one_dr
         optremat.plan(model, (torch.randn(256, 64, dtype=torch.float64),), 1.0, loss_fn=loss_fn, time_limit=5)
 
 
-class ScaledWeight(nn.Module):
+class BoundedWeight(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return 1.5 * w
+        return torch.tanh(w)
 
 
 def test_parametrized_weights_computed_under_parametrize_cached_run_their_calls_unplanned() -> None:
@@ -422,7 +422,7 @@ def test_parametrized_weights_computed_under_parametrize_cached_run_their_calls_
     torch.manual_seed(0)
     model = nn.Sequential(*[mlp() for _ in range(3)]).double()
     for block in model:
-        nn.utils.parametrize.register_parametrization(block[0], "weight", ScaledWeight())
+        nn.utils.parametrize.register_parametrization(block[0], "weight", BoundedWeight())
     inputs = (torch.randn(256, 64, dtype=torch.float64),)
     reference = copy.deepcopy(model)
     plan = optremat.price_regions(model, inputs, [Region("0", 0), Region("1", 0)], loss_fn=loss_fn)
