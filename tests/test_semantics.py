@@ -435,6 +435,31 @@ def test_parametrized_weights_computed_under_parametrize_cached_run_their_calls_
     assert_same(step(model, inputs), step(reference, inputs))
 
 
+class Clamped(nn.Module):
+    """A block keeping a learned scale in range in its own forward, written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = mlp()
+        self.scale = nn.Parameter(torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.scale.clamp_(0.5, 2.0)
+        return x + self.lin(x) * self.scale
+
+
+def test_a_budget_only_checkpointing_calls_writing_in_place_could_meet_names_them_and_why() -> None:
+    """Calls whose rerun would write a parameter again (or an InstanceNorm's statistics)
+    are never checkpointed; a budget needing them was refused naming nothing but
+    the unplanned peak. The refusal now names the calls and what the first writes."""
+    model = nn.Sequential(*[Clamped() for _ in range(3)]).double()
+    inputs = (torch.randn(256, 64, dtype=torch.float64),)
+    with pytest.raises(optremat.InfeasibleBudget, match=r"no plan checkpoints 0 \(call 0\), 1 \(call 0\), .*0 "
+                                                        r"\(call 0\) writes in place over a parameter or buffer of 0,"):
+        optremat.plan(model, inputs, 0.3, loss_fn=loss_fn, time_limit=5, deterministic=True)
+
+
 @pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
 def test_blocks_compiled_before_planning_are_refused_saying_to_plan_first(how: str) -> None:
     """Regional compilation before planning: the trace failed inside dynamo and asked for

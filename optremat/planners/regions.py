@@ -389,21 +389,39 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
     outside that its rerun reads is written in place after that, by the call itself (a
     residual `x += f(x)` at its end) or after it (the rerun would read the new values;
     checkpoint refuses them)."""
+    found = _rerun(rmap, call)
+    return found if isinstance(found, Rerun) else None
+
+
+def never_rerun_because(rmap: RegionMap, call: Call) -> str | None:
+    """Why no plan checkpoints `call` though its autograd nodes save tensors (`rerun_of`'s
+    writes and reads in place), for a refusal to name; None when it can be, or saves
+    nothing."""
+    found = _rerun(rmap, call)
+    return (found or None) if isinstance(found, str) else None
+
+
+def _rerun(rmap: RegionMap, call: Call) -> Rerun | str:
+    """`rerun_of`'s Rerun, or why there is none ("" when the call saves nothing)."""
     graph, facts, keys = rmap.graph, rmap.facts, rmap.keys(call)
     nodes = rmap.members[call].tolist()
     inside = set(nodes)
     packers = [v for v in nodes if facts.unpacks[v]]
     if not packers:
-        return None
+        return ""
     last, end = max(packers), nodes[-1]
     copied = set(rmap.copied(call))
     rerun_reads = {int(facts.owner[p]) for v in nodes if v <= last for p in graph.preds[v].tolist() if p not in inside}
-    if any(facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside | copied
-           and (v <= last or int(facts.owner[graph.alias_of[v]]) in rerun_reads) for v in nodes):
-        return None
+    written = [int(facts.owner[graph.alias_of[v]]) for v in nodes
+               if facts.in_place[v] and int(facts.owner[graph.alias_of[v]]) not in inside | copied
+               and (v <= last or int(facts.owner[graph.alias_of[v]]) in rerun_reads)]
+    if written:
+        return f"writes in place over {_described(graph, written[0])}, which a rerun would write again"
     read = {int(facts.owner[p]) for v in nodes for p in graph.preds[v].tolist() if p not in inside} - copied
-    if any(rmap.last_write.get(owner, -1) > end for owner in read):
-        return None
+    later = sorted(owner for owner in read if rmap.last_write.get(owner, -1) > end)
+    if later:
+        return f"reads {_described(graph, later[0])}, which is written in place after it: a rerun would read it written"
+
     stop = last if _saves_its_output(rmap, last) else last - 1
     t = min(s for v in nodes for s in facts.unpacks[v])
     done = max([t] + [s for v in nodes for s in facts.ran[v]])
@@ -421,6 +439,15 @@ def rerun_of(rmap: RegionMap, call: Call) -> Rerun | None:
                                if p not in inside and not graph.pinned[p]})),
         cost=rmap.rerun_seconds + rmap.pack_seconds * sum(len(facts.saved[v]) for v in nodes),
         policy_looks=len(counted) + sum(v <= last for v in counted))
+
+
+def _described(graph: Graph, node: int) -> str:
+    """A tensor from outside a call, as a refusal names it."""
+    if graph.kind[node] == "param":
+        return f"a parameter or buffer of {graph.module[node] or 'the model'}"
+    if graph.kind[node] == "input":
+        return "an input of the step"
+    return f"a tensor {graph.module[node] or 'the model'} computes"
 
 
 def _stop_views(rmap: RegionMap, nodes: list[int], stop: int, recomputed: set[int]) -> list[int]:

@@ -28,7 +28,8 @@ from optremat.ilp.composed import Composed, FrontierMemo, solve_chain
 from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.search import LEAST_SECONDS
 from optremat.planners.chain import Chain, chain_of
-from optremat.planners.regions import Priced, Region, RegionMap, kept_of, price, search, whole_calls
+from optremat.planners.regions import (Priced, Region, RegionMap, kept_of, never_rerun_because, parse_span, price,
+                                      search, whole_calls)
 from optremat.planners.solve import solve
 from optremat.planning.result import Chunking, Plan, loss_note
 from optremat.tracing.causal_lm import own_chunks, own_head, running
@@ -195,15 +196,28 @@ def _infeasible(rmap: RegionMap, budget_bytes: int, candidates: list[Priced], le
 
 
 def _never_checkpointed(rmap: RegionMap) -> str:
-    """The module calls no plan checkpoints, named for a refusal (empty when none is)."""
+    """The module calls no plan checkpoints, named for a refusal (empty when none is):
+    those the trace ruled out, then those whose rerun would write or read in place
+    (`never_rerun_because`), with the first one's reason."""
+    notes = []
     calls = sorted(rmap.not_rerun)
-    if not calls:
-        return ""
+    if calls:
+        notes.append(f"no plan checkpoints {_named(calls)}: each is handed a key/value cache, draws from a generator "
+                     "checkpoint does not restore, or changes its module's Python state or a tensor attribute, "
+                     "which a rerun would do again, or reads a tensor's value as a number, or Python state the step "
+                     "changes after it")
+    because = {call: never_rerun_because(rmap, call) for call in rmap.members
+               if parse_span(call[0]) is None and call not in rmap.not_rerun}
+    ruled = sorted(call for call, reason in because.items() if reason is not None)
+    if ruled:
+        path, k = ruled[0]
+        notes.append(f"no plan checkpoints {_named(ruled)}: {path or 'the model'} (call {k}) {because[ruled[0]]}")
+    return "; ".join(notes)
+
+
+def _named(calls: list[tuple[str, int]]) -> str:
     named = ", ".join(f"{path or 'the model'} (call {k})" for path, k in calls[:3])
-    more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
-    return (f"no plan checkpoints {named}{more}: each is handed a key/value cache, draws from a generator "
-            "checkpoint does not restore, or changes its module's Python state or a tensor attribute, which a "
-            "rerun would do again, or reads a tensor's value as a number, or Python state the step changes after it")
+    return named + (f" and {len(calls) - 3} more" if len(calls) > 3 else "")
 
 
 def _under_floor(rmap: RegionMap, budget_bytes: int, floor: int, long: bool, solver: str, time_limit: float,
