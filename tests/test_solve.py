@@ -12,7 +12,7 @@ from optremat import Graph, InfeasibleBudget, keep_all, resolve_budget, simulate
 from optremat.core import published
 from optremat.core.synthetic import random_training_graph
 from optremat.ilp.interval import IntervalModel
-from optremat.planners.solve import HEURISTICS, best_heuristic
+from optremat.planners.solve import CHEAPEST_FIRST, HEURISTICS, best_heuristic
 from optremat.planning.ops import plan_step
 from tests.bruteforce import optimum
 from tests.dags import graphs, training_chain, training_graphs
@@ -40,15 +40,36 @@ def test_auto_is_never_worse_than_any_heuristic(fraction):
 
 
 def test_a_limit_the_heuristics_use_up_still_returns_a_plan_no_worse_than_theirs():
-    """Whether CP-SAT gets any of the 10 ms or none, `auto` returns the heuristics' plan or
-    a better one: every path through it meets these assertions, so timing cannot flip them."""
+    """Whether CP-SAT gets any of the 10 ms or none, and however many heuristics run in
+    the half of it they get (cheapest first, at least until one finds a plan), `auto`
+    returns the first plan they find or a better one: every path through it meets these
+    assertions, so timing cannot flip them."""
     g = random_training_graph(50)
     budget = resolve_budget(g, 0.5)
-    seed, _ = best_heuristic(g, budget)
+    seed, _ = best_heuristic(g, budget, deadline=0.0)
     auto = solve(g, budget, time_limit=0.01)
     assert simulate(g, auto.schedule).peak_bytes <= budget
     assert auto.cost <= seed.cost + 1e-9
     assert auto.lower_bound <= auto.cost + 1e-9
+
+
+def test_past_their_deadline_the_heuristics_stop_once_one_finds_a_plan_and_run_cheapest_first():
+    g = chain()
+    budget = resolve_budget(g, 0.6)
+    every, _ = best_heuristic(g, budget)
+    first, _ = best_heuristic(g, budget, deadline=0.0)
+    found = [name for name in CHEAPEST_FIRST if _fits(g, budget, name)]
+    assert sorted(CHEAPEST_FIRST) == sorted(HEURISTICS)
+    assert first.solver == found[0] and every.cost <= first.cost
+    assert every.cost == min(solve(g, budget, solver=name).cost for name in found)
+
+
+def _fits(g: Graph, budget: int, name: str) -> bool:
+    try:
+        solve(g, budget, solver=name)
+    except InfeasibleBudget:
+        return False
+    return True
 
 
 @settings(max_examples=40, deadline=None)
