@@ -435,6 +435,32 @@ def test_parametrized_weights_computed_under_parametrize_cached_run_their_calls_
     assert_same(step(model, inputs), step(reference, inputs))
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_step_differentiating_its_input_plans_that_gradient_too(frozen: bool) -> None:
+    """An input that requires grad (an adversarial example, a frozen network's input in
+    style transfer): planning refused a frozen model as having no backward, and priced
+    a trainable one's backward without the input's gradient. Both are planned with it,
+    train as unplanned, and measure as priced."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[mlp() for _ in range(4)]).double()
+        return model.requires_grad_(not frozen)
+
+    x = torch.randn(256, 64, dtype=torch.float64, requires_grad=True)
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        loss = loss_fn(model(x))
+        return list(torch.autograd.grad(loss, [x] + [p for p in model.parameters() if p.requires_grad]))
+
+    model = build()
+    plan = optremat.plan(model, (x,), 0.8, loss_fn=loss_fn, time_limit=5, deterministic=True)
+    assert plan.regions
+    optremat.apply(model, plan)
+    assert abs(measure_step(model, (x,), loss_fn).peak_bytes / plan.predicted_peak_bytes - 1) <= 0.02
+    for got, want in zip(grads(model), grads(build()), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class Clamped(nn.Module):
     """A block keeping a learned scale in range in its own forward, written in place."""
 

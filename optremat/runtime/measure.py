@@ -92,12 +92,13 @@ def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[
     (`outputs.loss`, as a transformers model given `labels` returns it).
 
     Parameters, buffers, inputs and the tensors `loss_fn` holds count as resident
-    (`step_resident`); gradients are returned, not accumulated, so repeated calls measure
-    the same step. The model's output is held through the backward, as a training loop
+    (`step_resident`); gradients (of the parameters and of the inputs that require grad)
+    are returned, not accumulated, so repeated calls measure the same step. The model's output is held through the backward, as a training loop
     holding `out = model(x)` holds it.
     """
     args, kwargs = call_of(example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]
+    params += [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step() -> tuple[torch.Tensor, ...]:
         out = model(*args, **kwargs)

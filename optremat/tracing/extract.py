@@ -143,8 +143,9 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [name for name, p in params.items() if p.requires_grad]
-    if not trainable:
-        raise ExtractionError(f"{type(model).__name__} has no parameter that requires grad: there is no backward to plan")
+    if not trainable and not _differentiated(inputs):
+        raise ExtractionError(f"{type(model).__name__} has no parameter that requires grad, and no input does: there "
+                              "is no backward to plan")
     sparse = [path for path, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
         raise ExtractionError(f"module '{sparse[0]}' makes a sparse gradient (sparse=True), which optremat does not "
@@ -172,11 +173,15 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                     roots, root_grads = [loss_fn(out)], None
             else:
                 roots, root_grads = _grad_leaves(out), grad_outputs
+        wanted = _differentiated(inputs)
         with _phase("backward"), _tag_grad_fns(roots, python):
             seeds = _seeds(roots) if root_grads is None else []
-            grads = torch.autograd.grad(roots, [params[k] for k in trainable], root_grads or seeds, allow_unused=True)
+            grads = torch.autograd.grad(roots, [params[k] for k in trainable] + wanted, root_grads or seeds,
+                                        allow_unused=True)
+        grads, input_grads = grads[:len(trainable)], [g for g in grads[len(trainable):] if g is not None]
         structure["gradients"] = tuple(k for k, g in zip(trainable, grads) if g is not None)
-        return (roots, _held(out) + attributes + [s for s in seeds if s is not None],
+        structure["input gradients"] = len(input_grads)
+        return (roots, _held(out) + attributes + [s for s in seeds if s is not None] + input_grads,
                 [g for g in grads if g is not None])
 
     grad_outputs = [] if grad_shapes is None else [torch.empty_like(t) for t in grad_shapes]
@@ -215,9 +220,10 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                       "batch whose values choose others runs another step than the one planned (the calls reading "
                       "them are not checkpointed)", stacklevel=3)
     stateful.update(reading)
-    if not structure["gradients"]:
-        raise ExtractionError(f"the step's loss does not depend on any parameter of {type(model).__name__} that "
-                              "requires grad: there is no backward to plan; check that loss_fn uses the model's output")
+    if not structure["gradients"] and not structure["input gradients"]:
+        raise ExtractionError(f"the step's loss does not depend on any parameter of {type(model).__name__} or input "
+                              "that requires grad: there is no backward to plan; check that loss_fn uses the model's "
+                              "output")
 
     placeholder_kinds = (["param"] * len(params) + ["param"] * len(buffers)
                          + ["input"] * len(tree_leaves(inputs)) + ["input"] * len(grad_outputs))
@@ -677,6 +683,12 @@ def _reentrant_checkpoint_refused() -> Iterator[None]:
             del function.apply
         else:
             function.apply = before
+
+
+def _differentiated(inputs: Any) -> list[torch.Tensor]:
+    """The step's input tensors that require grad: the backward computes their gradients
+    too (an adversarial example's, a frozen model's input in style transfer)."""
+    return [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def host_random_states() -> tuple[Any, Any]:
