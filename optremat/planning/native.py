@@ -29,7 +29,7 @@ from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.search import LEAST_SECONDS
 from optremat.planners.chain import Chain, chain_of
 from optremat.planners.regions import (Priced, Region, RegionMap, kept_of, never_rerun_because, parse_span, price,
-                                      search, whole_calls)
+                                       search, whole_calls)
 from optremat.planners.solve import solve
 from optremat.planning.result import Chunking, Plan, loss_note
 from optremat.tracing.causal_lm import own_chunks, own_head, running
