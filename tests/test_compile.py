@@ -861,6 +861,36 @@ def test_a_graph_returning_a_norm_beside_its_output_compiles_with_eager_gradient
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_backward_never_writes_over_the_gradient_autograd_hands_it() -> None:
+    """A graph ending in a pointwise op and a view: its backward wrote over the view of the
+    gradient it was handed, changing the caller's tensor and every other branch reading
+    it (a parameter's gradient 29.6 off, silently)."""
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (torch.tanh(self.lin(x)) * 2.0).view(32, 2, 32)
+
+    block, x = Block().double(), torch.randn(32, 64, dtype=torch.float64)
+    compiled = torch.compile(copy.deepcopy(block), backend=optremat.compile_backend(1.0, inner="aot_eager",
+                                                                                  time_limit=5), dynamic=False)
+
+    gradient = torch.randn(32, 2, 32, dtype=torch.float64)
+
+    def step(run: Callable) -> torch.Tensor:
+        w = torch.ones(32, 2, 32, dtype=torch.float64, requires_grad=True)
+        handed = gradient.clone()
+        (run(x) + 3.0 * w).backward(handed)
+        assert torch.equal(handed, gradient)
+        return w.grad
+
+    torch.testing.assert_close(step(compiled), step(block), rtol=0, atol=0)
+
+
 def test_compile_causal_lm_refuses_what_it_cannot_run() -> None:
     model, batch = tiny_llama()
     with pytest.raises(ValueError, match="transformers causal LM"):

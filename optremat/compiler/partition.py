@@ -33,13 +33,17 @@ from optremat.tracing.extract import depending_on
 def writable(step: JointStep, graph: Graph) -> np.ndarray:
     """The nodes of `graph` (the step's Graph, perhaps renumbered) that can write their
     output over the input `Graph.shareable` names: an op with an out= overload whose
-    output has that input's shape, dtype and strides, the input an op's result (not a
-    primal or an output's gradient, which the caller may still hold)."""
+    output has that input's shape, dtype and strides, the input's storage an op's result
+    (not a primal's or an output's gradient's, which the caller may still hold: a view of
+    the gradient autograd hands the backward was written over, and the caller's tensor,
+    and every other branch reading it, with it)."""
     nodes = [step.nodes.get(name) for name in graph.names]
     mask = np.zeros(graph.n, dtype=bool)
     for k in np.nonzero(graph.shareable >= 0)[0].tolist():
         node, source = nodes[k], nodes[int(graph.shareable[k])]
-        if node is None or source is None or source.op != "call_function" or out_variant(node.target) is None:
+        owner = nodes[int(graph.storage_root[int(graph.shareable[k])])]
+        if (node is None or source is None or owner is None or source.op != "call_function"
+                or owner.op != "call_function" or out_variant(node.target) is None):
             continue
         out, into = node.meta.get("val"), source.meta.get("val")
         mask[k] = (isinstance(out, torch.Tensor) and isinstance(into, torch.Tensor) and out.shape == into.shape
