@@ -286,12 +286,12 @@ def _reachable(own: Iterable[Any], shared: Iterable[Any] = ()) -> list[Any]:
         if id(value) in seen or id(value) in namespaces or isinstance(value, PLAIN + _OPAQUE):
             continue
         seen.add(id(value))
-        kind, room = _kind(value), limits[whole] - queued[whole]
+        kind, room = _kind(value), max(limits[whole] - queued[whole], 0)
         if issubclass(type(value), _GENERATORS):
             found.append(value)
             continue
         if kind is dict:
-            inside = [item for pair in itertools.islice(dict.items(value), room) for item in pair]
+            inside = [item for pair in itertools.islice(dict.items(value), room // 2) for item in pair]
         elif kind is not None:
             inside = list(itertools.islice(kind.__iter__(value), room))
         elif whole or _users(type(value)):
