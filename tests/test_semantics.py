@@ -461,23 +461,21 @@ def test_a_step_differentiating_its_input_plans_that_gradient_too(frozen: bool) 
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-OPTIONS = {f"option{i}": [i] for i in range(300)}
-"""A script's configuration, larger than the walk over a forward's globals takes in."""
-
-
-class Configured(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * len(OPTIONS["option1"])
-
-
-def test_a_forward_reading_a_large_global_table_plans() -> None:
-    """A global dict of 300 lists the forward reads: planning failed from inside the walk
-    over the forward's globals (a negative count of the values left to take in)."""
-    model = nn.Sequential(*[Configured() for _ in range(3)]).double()
+def test_a_forward_reading_a_large_global_table_plans(tmp_path, monkeypatch) -> None:
+    """A script's global dict of 300 lists the forward reads: planning failed from inside
+    the walk over the forward's globals (a negative count of the values left to take in)."""
+    (tmp_path / "configured.py").write_text(
+        "import torch.nn as nn\n"
+        "OPTIONS = {f'option{i}': [i] for i in range(300)}\n"
+        "class Configured(nn.Module):\n"
+        "    def __init__(self, block):\n"
+        "        super().__init__()\n"
+        "        self.block = block\n"
+        "    def forward(self, x):\n"
+        "        return self.block(x) * len(OPTIONS['option1'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    configured = importlib.import_module("configured").Configured
+    model = nn.Sequential(*[configured(mlp()) for _ in range(3)]).double()
     plan = optremat.plan(model, (torch.randn(1024, 64, dtype=torch.float64),), 0.8, loss_fn=loss_fn, time_limit=5,
                          deterministic=True)
     assert plan.regions

@@ -291,7 +291,7 @@ def _reachable(own: Iterable[Any], shared: Iterable[Any] = ()) -> list[Any]:
             found.append(value)
             continue
         if kind is dict:
-            inside = [item for pair in itertools.islice(dict.items(value), room // 2) for item in pair]
+            inside = [item for pair in itertools.islice(dict.items(value), room) for item in pair]
         elif kind is not None:
             inside = list(itertools.islice(kind.__iter__(value), room))
         elif whole or _users(type(value)):
