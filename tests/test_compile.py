@@ -636,6 +636,11 @@ def test_bad_configurations_are_refused_before_compiling() -> None:
         optremat.compile_backend("lots")
     with pytest.raises(ValueError, match="budget"):
         optremat.compile_backend(1.5)
+    for time_limit in (float("nan"), 0, -1):  # a NaN failed the compile inside CP-SAT, with an empty message
+        with pytest.raises(ValueError, match="time_limit must be a finite number of seconds > 0"):
+            optremat.compile_backend(0.5, time_limit=time_limit)
+        with pytest.raises(ValueError, match="time_limit must be a finite number of seconds > 0"):
+            optremat.Replanning(0.5, time_limit=time_limit)
 
 
 def test_dynamic_shapes_ask_for_static_compilation() -> None:

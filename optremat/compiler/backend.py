@@ -39,7 +39,7 @@ from optremat.core.schedule import (Schedule, SimResult, from_kept, keep_all, ke
                                     without_recomputing, without_unread)
 from optremat.core.solution import FEASIBLE, OPTIMAL
 from optremat.ilp.kept_blocks import block_options, compose, find_blocks
-from optremat.ilp.search import check_search
+from optremat.ilp.search import check_search, check_time_limit
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
 from optremat.planning.chunking import choices, solve_chunked
@@ -492,6 +492,7 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     check_budget(budget)
+    check_time_limit(time_limit)
     check_search(workers, seed)
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")

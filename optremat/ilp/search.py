@@ -3,6 +3,7 @@ sized to the model, and restarts of a stalled search from its best plan."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import threading
@@ -55,6 +56,14 @@ def check_search(workers: object, seed: object, prefix: str = "") -> None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
             raise ValueError(f"{prefix}{name} must be a whole number from {low:,} to {high:,}"
                              f"{' (0: all cores)' if name == 'workers' else ''}, not {value!r}")
+
+
+def check_time_limit(time_limit: object, prefix: str = "") -> None:
+    """Refuse a time limit that is not a finite number of seconds above 0 (CP-SAT failed
+    on a NaN with an empty message), naming it with `prefix`."""
+    if (isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real)
+            or not math.isfinite(time_limit) or time_limit <= 0):
+        raise ValueError(f"{prefix}time_limit must be a finite number of seconds > 0, not {time_limit!r}")
 
 
 def configure(solver: cp_model.CpSolver, time_limit: float, started: float, workers: int, seed: int,

@@ -8,8 +8,6 @@ budget and the plan cache.
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 import warnings
 from dataclasses import replace
@@ -24,7 +22,7 @@ from optremat.core.graph import format_bytes
 from optremat.core.sharding import DDP, FSDP, Parallel, check_matched
 from optremat.core.solution import Progress
 from optremat.ilp.composed import FrontierMemo
-from optremat.ilp.search import check_search
+from optremat.ilp.search import check_search, check_time_limit
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
 from optremat.planning.chunking import choices, head_name, solve_chunked
@@ -169,9 +167,7 @@ def _check(solver: str, parallel: Parallel | None, budget: Any, time_limit: Any,
     check_budget(budget)
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    if (isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real)
-            or not math.isfinite(time_limit) or time_limit <= 0):
-        raise ValueError(f"time_limit must be a finite number of seconds > 0, not {time_limit!r}")
+    check_time_limit(time_limit)
     check_search(workers, seed)
     if parallel is None:
         return

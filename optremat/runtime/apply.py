@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from optremat.core.budget import check_budget
 from optremat.distributed.agree import PlanningFailed
 from optremat.distributed.agree import plan as plan_every_rank
+from optremat.ilp.search import check_time_limit
 from optremat.planners.regions import Region
 from optremat.planners.solve import SOLVERS
 from optremat.planning.model import plan as make_plan
@@ -63,6 +64,7 @@ class Replanning:
             check_budget(self.budget)
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
+        check_time_limit(self.time_limit)
 
     def chooser(self, model: nn.Module, applied: Plan, head_chunks: int | None = None) -> native.Choose:
         """What picks the regions of `model`'s forward for its inputs, `applied` first;
