@@ -31,7 +31,10 @@ def is_random(node: torch.fx.Node) -> bool:
 @functools.lru_cache(maxsize=None)
 def out_variant(op: Any) -> tuple[Any, str] | None:
     """The out= overload of an aten op taking the same arguments (names and types) plus
-    one output argument, with that argument's name; or None."""
+    one output argument, with that argument's name, where a device kernel writes into it;
+    or None. An out= overload PyTorch only composes (`native_dropout_backward.out`,
+    `clone.out`) computes its result into a new tensor and copies it over: written over a
+    dying input, it held both, and a plan with dropout measured 6% over its price."""
     schema = getattr(op, "_schema", None)
     if schema is None:
         return None
@@ -42,5 +45,7 @@ def out_variant(op: Any) -> tuple[Any, str] | None:
         arguments = candidate._schema.arguments
         outs = [a for a in arguments if a.is_out]
         if len(outs) == 1 and [(a.name, str(a.type)) for a in arguments if not a.is_out] == signature:
-            return candidate, outs[0].name
+            qualified = f"{candidate._schema.name}.{candidate._schema.overload_name}"
+            native = any(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key) for key in ("CPU", "CUDA"))
+            return (candidate, outs[0].name) if native else None
     return None

@@ -273,7 +273,8 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     backward that computes the weight or bias gradient two vectors of the normalized
     shape (any dtype; torch 2.13). A oneDNN RNN layer's backward, what it was measured to
     take (`onednn.size_rnn_workspaces`). A loss kernel's elementwise losses before it
-    reduces them (`LOSS_SCRATCH`).
+    reduces them (`LOSS_SCRATCH`). On a CPU, a dropout's backward the masked gradient
+    before it scales it (a tensor of its output's size).
     """
     packet = getattr(node.target, "overloadpacket", None)
     value = lambda k: node.args[k].meta.get("val")  # noqa: E731
@@ -300,6 +301,8 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     if cpu and packet in (aten._scaled_dot_product_flash_attention_for_cpu,
                           aten._scaled_dot_product_flash_attention_for_cpu_backward):
         return flash_attention_cpu_workspace(node)
+    if cpu and packet is aten.native_dropout_backward:
+        return tensor_bytes(node.meta.get("val"))  # the masked gradient, before it is scaled
     return 0
 
 
