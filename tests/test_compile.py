@@ -896,6 +896,25 @@ def test_a_backward_never_writes_over_the_gradient_autograd_hands_it() -> None:
     torch.testing.assert_close(step(compiled), step(block), rtol=0, atol=0)
 
 
+def test_a_graph_kept_for_a_second_backward_finds_its_saved_tensors_unwritten() -> None:
+    """`backward(retain_graph=True)` twice: the first backward wrote over tensors the
+    forward saved, and the second stopped on their versions. A backward now writes over
+    none of them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).double()
+    x, y = torch.randn(32, 64, dtype=torch.float64), torch.randn(32, 64, dtype=torch.float64)
+
+    def twice(run: torch.nn.Module) -> list[torch.Tensor]:
+        loss = torch.nn.functional.mse_loss(run(x), y)
+        first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        return [*first, *torch.autograd.grad(loss, list(model.parameters()))]
+
+    compiled = torch.compile(model, backend=optremat.compile_backend(1.0, inner="aot_eager", time_limit=5),
+                             dynamic=False)
+    for got, want in zip(twice(compiled), twice(model), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.0])
 def test_a_dropout_step_measures_as_priced(p: float) -> None:
     """A dropout's backward allocates the masked gradient before scaling it, and its out=

@@ -395,12 +395,23 @@ class Partitioner(CustomPartitionerFn):
 
     def _shares(self, step: JointStep, graph: Graph, schedule: Schedule) -> frozenset[int]:
         """The computations of `schedule` that write over an input they are the last to
-        hold, where the compiled graph can (`writable`); none unless `share`."""
+        hold, where the compiled graph can (`writable`) and the input is no tensor the
+        forward saved for the backward: a second backward of a graph kept with
+        `retain_graph=True` reads those again (it stopped on their versions); none unless
+        `share`."""
         if not self.share:
             return frozenset()
         can = writable(step, graph)
-        return frozenset(e for e, _ in simulate(graph, schedule, share=True).shared.items()
-                         if can[schedule.node[e]])
+        return frozenset(e for e, over in simulate(graph, schedule, share=True).shared.items()
+                         if can[schedule.node[e]] and not _saved_for_backward(graph, schedule, e, over))
+
+
+def _saved_for_backward(graph: Graph, schedule: Schedule, event: int, node: int) -> bool:
+    """Whether the computation `event`, in the backward, reads `node` in storage the
+    forward computed: a tensor saved for the backward (or a view of one)."""
+    made = np.nonzero(schedule.node[:event] == graph.storage_root[node])[0]
+    return (bool(graph.backward[schedule.stage[event]]) and len(made) > 0
+            and not graph.backward[schedule.stage[made[-1]]])
 
 
 def _next_fraction(pending: list[float], share: float, fits: list[float], fails: list[float]) -> float:
