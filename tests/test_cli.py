@@ -97,7 +97,7 @@ def test_plan_a_graph_file_with_shares(tmp_path):
     graph = Graph.load(tmp_path / "g.json")
     common = ("plan", "--graph", str(tmp_path / "g.json"), "--budget", "0.9", "--solver", "greedy", "--json")
     plain = run(*common)
-    assert plain.returncode == 3 and "smallest budget greedy reaches" in plain.stderr
+    assert plain.returncode == 3 and "infeasible for greedy; smallest budget it reaches" in plain.stderr
     result = run(*common, "--share", "--save", str(tmp_path / "s.json"))
     assert result.returncode == 0, result.stderr
     shared = json.loads(result.stdout)

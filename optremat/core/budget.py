@@ -31,7 +31,7 @@ class InfeasibleBudget(ValueError):
 
     def __init__(self, budget: int, smallest: int, planner: str, proven: bool = False, scope: str = "",
                  floor: int | None = None, note: str = "", bound: float | None = None) -> None:
-        how = f"smallest feasible budget{scope}" if proven else f"smallest budget {planner} reaches"
+        how = f"smallest feasible budget{scope}" if proven else "smallest budget it reaches"
         under = f"; no plan fits under {format_bytes(floor)}" if floor is not None and not proven else ""
         super().__init__(f"budget {format_bytes(budget)} is infeasible for {planner}; "
                          f"{how}: {format_bytes(smallest)} ({smallest} bytes){under}{'; ' + note if note else ''}")
