@@ -74,7 +74,7 @@ def best_heuristic(graph: Graph, budget: int, deadline: float | None = None) -> 
     """The cheapest plan any heuristic finds within budget (or None), and the smallest
     peak any heuristic reached when none fits (or None). They run cheapest first, and
     once one found a plan, none is begun that would end past `deadline` if it took as
-    long as the last (on a 64-layer Llama's joint graph the seven took 5 to 8 s).""" 
+    long as the last (on a 64-layer Llama's joint graph the seven took 5 to 8 s)."""
     found, smallest, took = [], None, 0.0
     for name in CHEAPEST_FIRST:
         if found and not ends_before(deadline, took):

@@ -266,10 +266,14 @@ def _coarse_kept(rmap: RegionMap, budget_bytes: int, solver: str, time_limit: fl
 
 def region_map(traced: Traced, model: nn.Module, device: str, parallel: Parallel | None = None) -> RegionMap:
     """The traced step (as one rank holds it, under `parallel`) seen as module calls;
-    under FSDP no region spans two of its units."""
+    under FSDP no region spans two of its units, and no run of a Sequential's children
+    is a region where one child is scripted (its calls are its caller's, and a scripted
+    module's first runs profile another graph than a rerun runs)."""
     graph = traced.graph if parallel is None else per_rank(traced.graph, traced.parameters(model), parallel)
     sequences = {path: tuple(f"{path}.{name}" if path else name for name in module._modules)
-                 for path, module in model.named_modules() if runs_its_children(module)}
+                 for path, module in model.named_modules()
+                 if runs_its_children(module) and not any(isinstance(child, torch.jit.ScriptModule)
+                                                          for child in module.children())}
     unit = unit_of(graph, parallel.units, parallel.groups) if isinstance(parallel, FSDP) else None
     profile = device_profile(device)
     buffers = [name for name, _ in model.named_buffers()]

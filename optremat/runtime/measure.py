@@ -93,8 +93,9 @@ def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[
 
     Parameters, buffers, inputs and the tensors `loss_fn` holds count as resident
     (`step_resident`); gradients (of the parameters and of the inputs that require grad)
-    are returned, not accumulated, so repeated calls measure the same step. The model's output is held through the backward, as a training loop
-    holding `out = model(x)` holds it.
+    are returned, not accumulated, so repeated calls measure the same step. The model's
+    output is held through the backward, as a training loop holding `out = model(x)`
+    holds it.
     """
     args, kwargs = call_of(example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]

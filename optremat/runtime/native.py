@@ -39,8 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    set_checkpoint_early_stop)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from optremat.planners.regions import Region, parse_span
 from optremat.planning.native import runs_its_children
@@ -338,8 +337,8 @@ def _planned(module: nn.Module, state: _RegionState, runtime: _Runtime, original
         return original(*args, **kwargs)
     if region is not None:
         # the call's keywords bound here: checkpoint would take one named as its own options (`debug`)
-        return _checkpoint(functools.partial(original, **kwargs), [module], *args,
-                           context_fn=_context_fn(module, [module], state.mutated, region))
+        return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False,
+                          context_fn=_context_fn(module, [module], state.mutated, region))
     spans = runtime.spans.get((state.path, call))
     if spans is None:
         return original(*args, **kwargs)
@@ -398,19 +397,10 @@ def _run_spans(module: nn.Sequential, state: _RegionState, spans: dict[int, tupl
         stop, region = spans[k]
         names = list(module._modules)[k:stop]
         mutated = tuple(m for m in state.mutated if m.split(".")[0] in names)
-        value = _checkpoint(_run_children, children[k:stop], children[k:stop], value,
-                            context_fn=_context_fn(module, children[k:stop], mutated, region))
+        value = checkpoint(_run_children, children[k:stop], value, use_reentrant=False,
+                           context_fn=_context_fn(module, children[k:stop], mutated, region))
         k = stop
     return value
-
-
-def _checkpoint(function: Callable, running: list[nn.Module], *args: Any, context_fn: Any) -> Any:
-    """`function(*args)` under non-reentrant checkpoint; its rerun runs whole where the
-    modules `running` hold a scripted one: checkpoint stops a rerun early by raising in the
-    last saved tensor's hook, which the TorchScript interpreter turns into its own error."""
-    scripted = any(isinstance(m, torch.jit.ScriptModule) for module in running for m in module.modules())
-    with set_checkpoint_early_stop(False) if scripted else contextlib.nullcontext():
-        return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn)
 
 
 def _run_children(children: list[nn.Module], value: Any) -> Any:

@@ -617,9 +617,11 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
     def tag() -> None:
         _set_custom(module=stack[-1][0], calls="|".join(f"{path}#{k}" for path, k in stack[1:]))
 
-    def enter(path: str) -> Callable:
+    def enter(path: str, scripted: bool) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             stack.append((path, count.get(path, 0)))
+            if scripted:  # a scripted module's first runs profile another graph than its rerun would run
+                stateful.add(stack[-1])
             states.append((host_random_states(), module_state.python_state(module)))
             began.append((tuple(stack[1:]), module, states[-1][1], module_state.attribute_spaces([module])))
             count[path] = count.get(path, 0) + 1
@@ -652,7 +654,8 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
     handles = [model.register_forward_hook(returned)]
     for path, module in model.named_modules():
         if path and not isinstance(module, torch.jit.ScriptModule):
-            handles.append(module.register_forward_pre_hook(enter(path), with_kwargs=True))
+            scripted = any(isinstance(m, torch.jit.ScriptModule) for m in module.modules())
+            handles.append(module.register_forward_pre_hook(enter(path, scripted), with_kwargs=True))
             handles.append(module.register_forward_hook(leave))
     try:
         yield stack
