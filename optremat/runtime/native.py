@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from optremat.planners.regions import Region, parse_span
 from optremat.planning.native import runs_its_children
 from optremat.runtime.caller import warn
-from optremat.tracing.extract import host_random_kept, host_random_states, tracing
+from optremat.tracing.extract import host_random_kept, host_random_states, same_host_random, tracing
 from optremat.tracing.fingerprint import model_fingerprint
 from optremat.tracing.kv_cache import receives_cache
 from optremat.tracing.module_state import INSTALLED, attribute_spaces, restored_plain
@@ -436,9 +436,18 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
     found = _Found(region.path, tensors, [None if _unchecked(t) else t._version for *_, t in tensors],
                    attribute_spaces(owners), host_random_states())
     if not region.saved:
-        return contextlib.nullcontext(), _Rerun(found, held, None)
+        return _drawing_seen(found, contextlib.nullcontext()), _Rerun(found, held, None)
     forward, recompute = create_selective_checkpoint_contexts(_policy(region.saved))
-    return forward, _Rerun(found, held, recompute)
+    return _drawing_seen(found, forward), _Rerun(found, held, recompute)
+
+
+@contextlib.contextmanager
+def _drawing_seen(found: "_Found", forward: Any) -> Iterator[None]:
+    """The forward's context `forward`, noting in `found` whether the call drew from
+    numpy's or Python's generators (`_Rerun` puts them back only for one that did)."""
+    with forward:
+        yield
+    found.drew = not same_host_random(found.random_states, host_random_states())
 
 
 def _unchecked(tensor: torch.Tensor) -> bool:
@@ -464,6 +473,7 @@ class _Found:
         self.versions = versions
         self.attributes = attributes
         self.random_states = random_states
+        self.drew = False
 
     def check_unwritten(self) -> None:
         """Refuse a rerun reading a parameter or buffer written in place since the call ran."""
@@ -528,10 +538,10 @@ class _Rerun:
     the call found, and so are those of the plain objects they hold (`restored_plain`):
     `model.eval()`, a schedule's new temperature set before the backward, or a config
     field a head sets on the first call (transformers' `problem_type`) must not change
-    what a rerun computes. numpy's and Python's random number generators are at the
-    states the call found, and after the rerun as it found them: plans never checkpoint
-    a call drawing from them, but one may begin to after planning (a noise switched on
-    for training)."""
+    what a rerun computes. For a call whose forward drew from numpy's or Python's random
+    number generators, they are at the states the call found, and after the rerun as it
+    found them: plans never checkpoint a call drawing from them, but one may begin to
+    after planning (a noise switched on for training)."""
 
     def __init__(self, found: _Found, held: list[tuple[nn.Module, str, torch.Tensor]], recompute: Any) -> None:
         self.found = found
@@ -544,7 +554,8 @@ class _Rerun:
         self.stack.enter_context(_swapped(self.found.tensors))
         self.stack.enter_context(_scratch(self.held))
         self.stack.enter_context(restored_plain(self.found.attributes))
-        self.stack.enter_context(host_random_kept(self.found.random_states))
+        if self.found.drew:
+            self.stack.enter_context(host_random_kept(self.found.random_states))
         if self.recompute is not None:
             self.stack.enter_context(self.recompute)
             self.recompute = None

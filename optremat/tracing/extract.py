@@ -205,7 +205,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             raise
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, stack[-1][0])) from error
-        drew = not _same_host_random(host_random, host_random_states())
+        drew = not same_host_random(host_random, host_random_states())
     if drew:
         named = sorted({path for path, _ in host_drawing}) or [f"{type(model).__name__}.forward"]
         warnings.warn(f"optremat: the step draws from Python's or numpy's random numbers (in {', '.join(named)}), "
@@ -632,7 +632,7 @@ def _module_paths(model: nn.Module, cached: set[tuple[str, int]], drawing: set[t
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         host_random, python = states.pop()
-        if not _same_host_random(host_random, host_random_states()):
+        if not same_host_random(host_random, host_random_states()):
             drawing.add(stack[-1])
         if python != module_state.python_state(module):
             stateful.update(stack[1:])  # the calls around it rerun it too
@@ -699,7 +699,8 @@ def host_random_states() -> tuple[Any, Any]:
     return np.random.get_state(), random.getstate()
 
 
-def _same_host_random(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+def same_host_random(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two `host_random_states()` are the same states."""
     return a[1] == b[1] and a[0][2:] == b[0][2:] and np.array_equal(a[0][1], b[0][1])
 
 
