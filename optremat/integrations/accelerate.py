@@ -48,7 +48,7 @@ class Prepare:
     once made; `cache`, `solver`, `time_limit` and `deterministic` are `optremat.plan`'s.
     A causal LM's own head and loss are planned whole, as they run: FSDP2 hooks the head,
     and a head run in chunks would not call its hooks (planned in chunks, the head ran
-    whole, and a plan at half the unplanned peak measured 1.86 times its prediction).
+    whole, and a plan at half the unplanned peak measured 1.96 times its prediction).
 
     The Accelerator must run FSDP2 with what the plan prices: no activation checkpointing
     of its own, no mixed-precision policy, no CPU offload, no ignored modules, no
