@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from optremat.tracing.host_memory import host_peak
-from optremat.tracing.inputs import call_of, own_loss
+from optremat.tracing.inputs import call_of, differentiated, own_loss
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[
     """
     args, kwargs = call_of(example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]
-    params += [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    params += differentiated((args, kwargs))
 
     def step() -> tuple[torch.Tensor, ...]:
         out = model(*args, **kwargs)

@@ -43,7 +43,7 @@ from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
                                     roofline_cost, workspace_bytes)
 from optremat.tracing.eager_branches import EagerScalarReads, eager_mask_decisions, writes_in_place
-from optremat.tracing.inputs import Call, call_of, own_loss
+from optremat.tracing.inputs import Call, call_of, differentiated, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
 from optremat.tracing.lm_loss import standing_in
 from optremat.tracing.onednn import size_rnn_workspaces
@@ -143,7 +143,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [name for name, p in params.items() if p.requires_grad]
-    if not trainable and not _differentiated(inputs):
+    if not trainable and not differentiated(inputs):
         raise ExtractionError(f"{type(model).__name__} has no parameter that requires grad, and no input does: there "
                               "is no backward to plan")
     sparse = [path for path, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
@@ -173,7 +173,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
                     roots, root_grads = [loss_fn(out)], None
             else:
                 roots, root_grads = _grad_leaves(out), grad_outputs
-        wanted = _differentiated(inputs)
+        wanted = differentiated(inputs)
         with _phase("backward"), _tag_grad_fns(roots, python):
             seeds = _seeds(roots) if root_grads is None else []
             grads = torch.autograd.grad(roots, [params[k] for k in trainable] + wanted, root_grads or seeds,
@@ -686,12 +686,6 @@ def _reentrant_checkpoint_refused() -> Iterator[None]:
             del function.apply
         else:
             function.apply = before
-
-
-def _differentiated(inputs: Any) -> list[torch.Tensor]:
-    """The step's input tensors that require grad: the backward computes their gradients
-    too (an adversarial example's, a frozen model's input in style transfer)."""
-    return [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def host_random_states() -> tuple[Any, Any]:

@@ -74,6 +74,12 @@ def _argument(path: tuple) -> str:
     return f"args{text[3:]}"
 
 
+def differentiated(inputs: Any) -> list[torch.Tensor]:
+    """The input tensors in `inputs` that require grad: a step's backward computes their
+    gradients too (an adversarial example's, a frozen model's input in style transfer)."""
+    return [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def input_types(args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...]:
     """Per leaf of a call, in the order a trace lists its inputs, the tensor's dtype and
     shape ("" for a constant), as a Graph names its inputs' types."""
