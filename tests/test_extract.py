@@ -162,6 +162,19 @@ def test_untraceable_models_get_a_clear_error():
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_a_batch_of_a_dtype_the_model_refuses_is_refused_naming_the_layer(dtype):
+    """Fake tensors multiply an integer batch by a float weight; the plan that followed was
+    refused as an infeasible budget, for a step that cannot run."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.GELU()), nn.Linear(16, 8))
+    x = torch.ones(4, 8, dtype=dtype)
+    with pytest.raises(RuntimeError):
+        model(x)
+    with pytest.raises(ExtractionError, match=f"aten.addmm.default in module '0.0' multiplies a {dtype} tensor by a "
+                                              "torch.float32 one"):
+        extract(model, x)
+
+
 def test_model_without_trainable_parameters():
     model = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ExtractionError, match="no parameter that requires grad"):

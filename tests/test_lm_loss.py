@@ -82,6 +82,19 @@ def test_a_batch_whose_every_label_is_ignored_trains_as_the_whole_loss(options: 
             torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("label", [V, -1])
+def test_a_label_outside_the_vocabulary_is_refused_as_the_whole_loss_refuses_it(label: int, kernel: str) -> None:
+    """The chunks' gather failed naming neither the label nor the vocabulary."""
+    head = nn.Linear(H, V)
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    ids = labels()
+    ids[1, 5] = label
+    with pytest.raises(IndexError, match=f"Target {label} is out of bounds"):
+        CausalLMLoss(head, ids, chunks=None)(hidden)
+    with pytest.raises(IndexError, match=f"Target {label} is out of bounds"):
+        CausalLMLoss(head, ids, chunks=2)(hidden)
+
+
 def test_logits_spread_wider_than_exp_reaches_give_the_whole_loss_and_gradients() -> None:
     """Logits hundreds apart, whose softmax underflows float32: the chunks' cut-off
     before `exp` leaves the loss and gradients those of the whole head."""

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 try:
     from torch.nn.modules.linear_cross_entropy import _linear_cross_entropy_batch_chunked_accumulator as _accumulate
@@ -101,6 +102,21 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         scale = torch.mul if torch._C._autograd._get_current_graph_task_keep_graph() else torch.Tensor.mul_
         grads = [None if g is None else scale(g, grad_loss) for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None, None)
+
+
+def refuse_out_of_range(labels: torch.Tensor, ignore_index: int, classes: int) -> None:
+    """Stop on a counted label outside the vocabulary, as `F.cross_entropy` does: on a
+    CPU with its IndexError, on an accelerator with an assert on the device (no wait for
+    it). Both chunked losses' gathers fail naming neither the label nor the vocabulary,
+    or read past a row."""
+    if is_fake(labels) or labels.is_meta or torch.compiler.is_compiling():
+        return
+    wrong = (labels != ignore_index) & ((labels < 0) | (labels >= classes))
+    if labels.device.type != "cpu":
+        torch._assert_async(~wrong.any(), f"a label is out of bounds for the {classes} classes")
+    elif wrong.any():
+        raise IndexError(f"Target {labels[wrong][0].item()} is out of bounds: labels must lie in [0, {classes}) or "
+                         "equal ignore_index")
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,

@@ -206,6 +206,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, stack[-1][0])) from error
         drew = not same_host_random(host_random, host_random_states())
+    _refuse_mixed_products(model, gm)
     if drew:
         named = sorted({path for path, _ in host_drawing}) or [f"{type(model).__name__}.forward"]
         warnings.warn(f"optremat: the step draws from Python's or numpy's random numbers (in {', '.join(named)}), "
@@ -1003,6 +1004,27 @@ def _mutated_buffers(gm: torch.fx.GraphModule, params: list[str], buffers: list[
     names = dict(zip(placeholders[len(params):len(params) + len(buffers)], buffers))
     written = {names[p] for n in gm.graph.nodes if n.op == "call_function" for p in mutated_inputs(n) if p in names}
     return tuple(sorted(written))
+
+
+_PRODUCTS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "convolution": (0, 1)}
+
+
+def _refuse_mixed_products(model: nn.Module, gm: torch.fx.GraphModule) -> None:
+    """Refuse a matrix product or convolution of two dtypes. Fake tensors compute one
+    (an int64 batch into a Linear gives float32), the model's kernels refuse it, and a plan
+    traced through it prices a step that cannot run."""
+    for node in gm.graph.nodes:
+        operands = _PRODUCTS.get(getattr(node.target, "__name__", "").split(".")[0]) if node.op == "call_function" \
+            else None
+        values = [getattr(node.args[i], "meta", {}).get("val") for i in operands or ()]
+        dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            calls = _call_stack(node)
+            where = f"module '{calls[-1][0]}'" if calls and calls[-1][0] else f"{type(model).__name__}.forward"
+            raise ExtractionError(f"could not trace the training step: aten.{node.target.__name__} in {where} "
+                                  f"multiplies a {dtypes[0]} tensor by a {dtypes[1]} one, which PyTorch's kernels "
+                                  "refuse: check the example inputs' dtypes (an integer batch given to a layer "
+                                  "that takes floats)")
 
 
 def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:

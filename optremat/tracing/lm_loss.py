@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from optremat.tracing.chunked import TORCH_CHUNKED, ChunkedCrossEntropy
+from optremat.tracing.chunked import TORCH_CHUNKED, ChunkedCrossEntropy, refuse_out_of_range
 
 AUTO = "auto"
 """`chunks` left to the plan: whole until a plan applied to the model says otherwise."""
@@ -107,6 +107,7 @@ class CausalLMLoss:
         chunks = self.running_chunks()
         if chunks is None:
             return self._whole(flat, weight, bias, target)
+        refuse_out_of_range(target, self.ignore_index, weight.shape[0])
         rows = math.ceil(flat.shape[0] / chunks)
         denominator = (torch.as_tensor(self.num_items_in_batch, device=flat.device)
                        if self.num_items_in_batch is not None else (target != self.ignore_index).sum())
