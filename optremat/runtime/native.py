@@ -358,9 +358,7 @@ def _left_out(runtime: _Runtime, module: nn.Module, path: str, args: tuple, kwar
     no longer runs, must save what its forward saved), under a `torch.func` transform
     (`grad`, `vmap`: they take no saved-tensor hooks, so no checkpoint), handed a
     key/value cache, which its rerun would write again (`tracing.kv_cache`; plans made
-    with the cache on leave such calls out, so this is a plan made with it off), or
-    computing parametrized weights under `parametrize.cached()` (the call computes one
-    its rerun finds cached, or the other way round, and checkpoint stops the backward)."""
+    with the cache on leave such calls out, so this is a plan made with it off)."""
     if receives_cache(args, kwargs):
         reason = ("is handed a key/value cache, which a rerun would write again, so the plan's checkpointing there "
                   "is left out (the step's memory is not the plan's); set use_cache=False for training, or plan "
@@ -372,10 +370,6 @@ def _left_out(runtime: _Runtime, module: nn.Module, path: str, args: tuple, kwar
     elif not torch.compiler.is_compiling() and _under_checkpoint():
         reason = ("runs inside torch.utils.checkpoint, so the plan's checkpointing there is left out (the step's "
                   "memory is not the plan's); remove that checkpoint to run the plan")
-    elif parametrize._cache_enabled and any(parametrize.is_parametrized(m) for m in module.modules()):
-        reason = ("computes parametrized weights under torch.nn.utils.parametrize.cached(), whose cache a rerun "
-                  "would not find as the call did, so the plan's checkpointing there is left out (the step's "
-                  "memory is not the plan's); train outside cached() to run the plan")
     else:
         return False
     if reason not in runtime.left_out:
@@ -445,9 +439,24 @@ def _contexts(running: list[nn.Module], region: Region, buffers: list[tuple[nn.M
 def _drawing_seen(found: "_Found", forward: Any) -> Iterator[None]:
     """The forward's context `forward`, noting in `found` whether the call drew from
     numpy's or Python's generators (`_Rerun` puts them back only for one that did)."""
-    with forward:
+    with forward, _parametrizations_computed():
         yield
     found.drew = not same_host_random(found.random_states, host_random_states())
+
+
+@contextlib.contextmanager
+def _parametrizations_computed() -> Iterator[None]:
+    """The parametrized weights a checkpointed call reads computed by the call, in its
+    forward and its rerun alike, under `parametrize.cached()` too (as the plan's trace
+    computed them): a call finding one cached in its forward and not in its rerun, or the
+    other way round (a backward run outside `cached()`, a first call computing the cache),
+    ran other ops in each, and checkpoint stopped the backward."""
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled
 
 
 def _unchecked(tensor: torch.Tensor) -> bool:
@@ -554,6 +563,7 @@ class _Rerun:
         self.stack.enter_context(_swapped(self.found.tensors))
         self.stack.enter_context(_scratch(self.held))
         self.stack.enter_context(restored_plain(self.found.attributes))
+        self.stack.enter_context(_parametrizations_computed())
         if self.found.drew:
             self.stack.enter_context(host_random_kept(self.found.random_states))
         if self.recompute is not None:
