@@ -273,8 +273,9 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     backward that computes the weight or bias gradient two vectors of the normalized
     shape (any dtype; torch 2.13). A oneDNN RNN layer's backward, what it was measured to
     take (`onednn.size_rnn_workspaces`). A loss kernel's elementwise losses before it
-    reduces them (`LOSS_SCRATCH`). On a CPU, a dropout's backward the masked gradient
-    before it scales it (a tensor of its output's size).
+    reduces them (`LOSS_SCRATCH`), a soft margin loss's backward two of its input's
+    size (any device: ATen builds it of other ops). On a CPU, a dropout's backward the
+    masked gradient before it scales it (a tensor of its output's size).
     """
     packet = getattr(node.target, "overloadpacket", None)
     value = lambda k: node.args[k].meta.get("val")  # noqa: E731
@@ -298,6 +299,8 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
         return 2 * tensor_bytes(value(5)) if any(node.args[7][1:]) else 0
     if packet in LOSS_SCRATCH:
         return loss_scratch(node)
+    if packet is aten.soft_margin_loss_backward:
+        return 2 * tensor_bytes(value(1))  # the exponential and a quotient, before the product
     if cpu and packet in (aten._scaled_dot_product_flash_attention_for_cpu,
                           aten._scaled_dot_product_flash_attention_for_cpu_backward):
         return flash_attention_cpu_workspace(node)
@@ -306,17 +309,38 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     return 0
 
 
-LOSS_SCRATCH = {aten.mse_loss: 2, aten.smooth_l1_loss: 2, aten.huber_loss: 1}
-"""How many tensors of its input's size a loss kernel allocates beyond its output when it
-reduces (reduction "mean" or "sum", its third argument): the elementwise losses are
-computed first (for a squared error, the difference too). Measured on PyTorch 2.13's
-CPU kernels, in ATen's code shared by every device."""
+LOSS_SCRATCH = {aten.mse_loss: 1, aten.smooth_l1_loss: 1, aten.huber_loss: 1}
+"""How many tensors of its input's size a loss kernel allocates beyond its output's
+storage when it reduces (reduction "mean" or "sum"): the elementwise losses are computed
+first (for a squared error, the difference too). Measured on PyTorch 2.13's CPU kernels,
+in ATen's code shared by every device."""
+
+REDUCED_INTO_ELEMENTWISE = {aten.mse_loss, aten.smooth_l1_loss, aten.soft_margin_loss, aten.binary_cross_entropy}
+"""Loss kernels whose reduced loss, a scalar, lives in the storage of their elementwise
+losses, resized, and keeps it alive as long as it lives (`F.mse_loss(a, b)
+.untyped_storage()` holds `a`'s bytes; torch 2.13). A fake tensor reports 0-d storage."""
+
+_REDUCTION_ARGUMENT = {aten.binary_cross_entropy: 3}
+"""Where a loss kernel takes its reduction, where not third (after input and target)."""
+
+
+def _reduces(node: torch.fx.Node) -> bool:
+    """Whether the loss kernel `node` reduces its elementwise losses ("mean", "sum")."""
+    at = _REDUCTION_ARGUMENT.get(node.target.overloadpacket, 2)
+    return bool(node.args[at] if len(node.args) > at else node.kwargs.get("reduction", 1))
 
 
 def loss_scratch(node: torch.fx.Node) -> int:
     """The bytes of temporaries the loss kernel `node` allocates (`LOSS_SCRATCH`)."""
-    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
-    return LOSS_SCRATCH[node.target.overloadpacket] * tensor_bytes(node.args[0].meta["val"]) if reduction else 0
+    return LOSS_SCRATCH[node.target.overloadpacket] * tensor_bytes(node.args[0].meta["val"]) if _reduces(node) else 0
+
+
+def storage_bytes(node: torch.fx.Node, reported: int) -> int:
+    """The bytes of the storage `node`'s output holds, where a trace `reported` them: more
+    for a loss reduced into its elementwise losses (`REDUCED_INTO_ELEMENTWISE`)."""
+    if getattr(node.target, "overloadpacket", None) in REDUCED_INTO_ELEMENTWISE and _reduces(node):
+        return max(reported, tensor_bytes(node.args[0].meta["val"]))
+    return reported
 
 
 def flash_attention_cpu_workspace(node: torch.fx.Node) -> int:

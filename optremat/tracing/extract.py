@@ -41,7 +41,7 @@ from optremat.core.schedule import keep_all, simulate
 from optremat.tracing import module_state
 from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
-                                    roofline_cost, workspace_bytes)
+                                    roofline_cost, storage_bytes, workspace_bytes)
 from optremat.tracing.eager_branches import EagerScalarReads, eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, differentiated, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
@@ -881,14 +881,19 @@ def _viewed_returns(graph: Graph, calls: tuple[tuple[tuple[str, int], ...], ...]
 
 def _constants_once(gm: torch.fx.GraphModule, graph: Graph, index: dict[str, int], real: list) -> np.ndarray:
     """`graph.size`, 0 for each constant the trace recorded (a tensor the loss holds from
-    outside the step) whose storage is a parameter's, a buffer's or an input's: a loss's
-    labels that are the batch's own are priced once, as the input."""
+    outside the step) whose storage is a parameter's, a buffer's, an input's or an earlier
+    constant's: a loss's labels that are the batch's own are priced once, as the input,
+    and a target the loss's forward and backward both read (each recorded as a constant of
+    its own) once."""
     storages = {t.untyped_storage()._cdata for t in real if isinstance(t, torch.Tensor)}
     size = graph.size.copy()
     for node in gm.graph.nodes:
         value = getattr(gm, node.target, None) if node.op == "get_attr" else None
-        if isinstance(value, torch.Tensor) and node.name in index and value.untyped_storage()._cdata in storages:
+        if not isinstance(value, torch.Tensor) or node.name not in index:
+            continue
+        if value.untyped_storage()._cdata in storages:
             size[index[node.name]] = 0
+        storages.add(value.untyped_storage()._cdata)
     size.setflags(write=False)
     return size
 
@@ -1150,7 +1155,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
             alias_of = index[into]
         for r in fresh:
             owner[r] = i if alias_of < 0 else _root(cols["alias_of"], alias_of)
-        size = sum(fresh.values()) if alias_of < 0 else 0
+        size = storage_bytes(node, sum(fresh.values())) if alias_of < 0 else 0
         if node.target is operator.getitem and alias_of >= 0 and cols["alias_of"][alias_of] < 0:
             earlier = next((parts[r] for r in storages if r in parts), -1)
             if earlier >= 0:
