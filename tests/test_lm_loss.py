@@ -12,6 +12,7 @@ from optremat.core.solution import OPTIMAL
 from optremat.models import HiddenGPT
 from optremat.planners.regions import Region
 from optremat.planning import chunking
+from optremat.planning import model as model_planning
 from optremat.runtime.measure import measure_step
 from optremat.tracing import lm_loss
 from optremat.tracing.extract import extract
@@ -323,6 +324,41 @@ def test_the_count_chosen_is_the_cheapest_of_every_count_planned_alone(lm, few_c
     whole_cost = per_block.graph.total_cost * (1 + found.predicted_overhead)  # its overhead is of the whole head
     assert whole_cost == pytest.approx(min(alone.values()), rel=1e-6)
     assert found.status == OPTIMAL and found.chunking.chunks in alone
+
+
+class Clock:
+    """A clock that moves only when told: each solve of a count takes `taken(limit)`."""
+
+    def __init__(self, taken) -> None:
+        self.now, self.taken, self.limits = 0.0, taken, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def solving(self, solve):
+        def timed(*args, **kwargs):
+            self.limits.append(kwargs["time_limit"])
+            self.now += self.taken(kwargs["time_limit"])
+            return solve(*args, **kwargs)
+        return timed
+
+
+@pytest.mark.parametrize("taken, shares", [(lambda limit: 0.0, [2.0, 3.0]), (lambda limit: 2 * limit, [2.0, 1.0])],
+                         ids=["searches ending at once", "searches running over"])
+def test_the_counts_share_the_seconds_left(lm, few_choices, monkeypatch, taken, shares) -> None:
+    """Each count was given a third of the time limit whatever the others took: a
+    4-layer Llama's plan at time_limit=6 took 11 s of searching. A search ending early
+    now leaves its time to the next counts, one running over takes it from them, and
+    once none is left the counts not solved (here the last, whose step alone costs more
+    than the plan found, either way) are bounded by their steps' costs."""
+    model, idx, ids, per_block = lm
+    clock = Clock(taken)
+    monkeypatch.setattr(chunking, "time", clock)
+    monkeypatch.setattr(model_planning, "solve_native", clock.solving(model_planning.solve_native))
+    found = optremat.plan(model, (idx,), int(per_block.predicted_peak_bytes * 0.9), loss_fn=CausalLMLoss(model.head, ids),
+                          time_limit=6)
+    assert clock.limits == pytest.approx(shares)
+    assert found.chunking.tried == (None, 2, 8) and found.lower_bound <= found.predicted_overhead
 
 
 def test_progress_reports_the_cheapest_plan_so_far_and_a_bound_over_every_count(lm, few_choices) -> None:

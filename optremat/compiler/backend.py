@@ -157,7 +157,7 @@ class Partitioner(CustomPartitionerFn):
         head = repr(lm.head) if isinstance(lm.head, torch.nn.Module) else f"weight {list(lm.head.shape)}"
         found = solve_chunked(whole, step_for, choices(lm.tokens()), head, budget_bytes,
                               lambda step, limit: self._plan(step, profile, rival, budget_bytes, limit),
-                              self.time_limit)
+                              self.time_limit, deterministic=self.deterministic)
         install(lm.weights(substituted=False)[0], found.chunking.chunks)
         return steps[found.chunking.chunks], found
 

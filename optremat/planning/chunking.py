@@ -11,6 +11,7 @@ unplanned step with the whole head, as its budget fraction is.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Callable, Protocol, Sequence, TypeVar
 
@@ -63,12 +64,15 @@ S = TypeVar("S", bound=Step)
 
 def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | None], head: str,
                   budget_bytes: int, solve: Callable[[S, float], Plan], time_limit: float,
-                  report: Callable[[float, float], None] | None = None) -> Plan:
+                  report: Callable[[float, float], None] | None = None, deterministic: bool = False) -> Plan:
     """The cheapest plan that fits over every count in `tried`: `whole` is the step with
     the whole head, `map_for(k)` the one in k chunks, `solve(step, time_limit)` the
-    plan for one (each gets an equal share of `time_limit`). Counts are
-    solved from the cheapest step up; one whose step alone costs more than a plan found
-    already is not solved. A count's bound is its search's (for a count refused unproven,
+    plan for one. Counts are solved from the cheapest step up, each given an equal share
+    of the seconds left (a search ending early leaves its time to the next, one running
+    over takes it from them), or with `deterministic` an equal share of `time_limit` (a
+    deterministic time); once a plan is found, a count no time is left for, or whose step
+    alone costs more than a plan found already, is not solved. A count's bound is its
+    search's (for a count refused unproven,
     the finite bound its composition put on plans of regions inside the blocks, the
     scope composed plans' bounds have), or where that search proved none (or did not
     run) its step's own cost: no plan of it costs less. Ties go to fewer
@@ -78,17 +82,20 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     the least bound over every count, both of the whole head's step. InfeasibleBudget
     when no count fits, naming the least peak found over all."""
     total = whole.graph.total_cost
-    share = time_limit / len(tried)
     maps = {k: whole if k is None else map_for(k) for k in tried}
     scale = {k: maps[k].graph.total_cost / total for k in tried}
     found: dict[int | None, tuple[Plan | None, float, float]] = {}
     refusals: list[InfeasibleBudget] = []
-    for k in sorted(tried, key=lambda k: scale[k]):
-        if scale[k] - 1 > min((f[1] for f in found.values()), default=math.inf) + ROUNDING:
+    deadline = time.perf_counter() + time_limit
+    order = sorted(tried, key=lambda k: scale[k])
+    for i, k in enumerate(order):
+        cheapest = min((f[1] for f in found.values()), default=math.inf)
+        share = time_limit / len(tried) if deterministic else (deadline - time.perf_counter()) / (len(order) - i)
+        if scale[k] - 1 > cheapest + ROUNDING or (share <= 0 and math.isfinite(cheapest)):
             found[k] = (None, math.inf, scale[k] - 1)
             continue
         try:
-            plan = solve(maps[k], share)
+            plan = solve(maps[k], max(share, time_limit / len(tried) / 4))
         except InfeasibleBudget as error:
             refusals.append(error)
             scoped = error.bound is not None and math.isfinite(error.bound)

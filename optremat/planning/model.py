@@ -133,7 +133,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         report = None if progress is None else lambda cost, bound: progress(time.perf_counter() - started, cost, bound)
         found = (solve(rmap, time_limit) if not chunked else
                  solve_chunked(rmap, lambda k: traced_map(k)[1], choices(tokens), head, budget_bytes, solve,
-                               time_limit, report))
+                               time_limit, report, deterministic))
         if own is not None and not chunked:  # the count asked for, recorded for apply() to run
             found = replace(found, chunking=Chunking(head, asked, found.baseline_peak_bytes, (asked,)))
         chunks = None if found.chunking is None else found.chunking.chunks
