@@ -1029,7 +1029,7 @@ def _refuse_mixed_products(model: nn.Module, gm: torch.fx.GraphModule) -> None:
             raise ExtractionError(f"could not trace the training step: aten.{node.target.__name__} in {where} "
                                   f"multiplies a {dtypes[0]} tensor by a {dtypes[1]} one, which PyTorch's kernels "
                                   "refuse: check the example inputs' dtypes (an integer batch given to a layer "
-                                  "that takes floats)")
+                                  "that takes floats, a float32 batch to a model cast to bfloat16)")
 
 
 def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
