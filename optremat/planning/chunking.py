@@ -72,14 +72,14 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     over takes it from them), or with `deterministic` an equal share of `time_limit` (a
     deterministic time); once a plan is found, a count no time is left for, or whose step
     alone costs more than a plan found already, is not solved. A count's bound is its
-    search's (for a count refused unproven,
-    the finite bound its composition put on plans of regions inside the blocks, the
-    scope composed plans' bounds have), or where that search proved none (or did not
-    run) its step's own cost: no plan of it costs less. Ties go to fewer
-    chunks. OPTIMAL when the plan meets the least bound of all counts (a count no plan
-    fits counts only when its search proved it). `report(overhead, bound)`, if given, is
-    called after each count is solved, once a plan fits, with the cheapest plan so far and
-    the least bound over every count, both of the whole head's step. InfeasibleBudget
+    search's (for a count refused unproven, the finite bound its composition put on
+    plans of regions inside the blocks, the scope composed plans' bounds have), or where
+    that search proved none (or did not run) its step's own cost: no plan of it costs
+    less. Ties go to fewer chunks. OPTIMAL when the plan meets the least bound of all
+    counts (a count no plan fits counts only when its search proved it).
+    `report(overhead, bound)`, if given, is called after each count is solved, once a
+    plan fits, with the cheapest plan so far and the least bound over every count, both
+    of the whole head's step. InfeasibleBudget
     when no count fits, naming the least peak found over all."""
     total = whole.graph.total_cost
     maps = {k: whole if k is None else map_for(k) for k in tried}

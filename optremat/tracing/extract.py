@@ -1011,7 +1011,11 @@ def _mutated_buffers(gm: torch.fx.GraphModule, params: list[str], buffers: list[
     return tuple(sorted(written))
 
 
-_PRODUCTS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "convolution": (0, 1)}
+_aten = torch.ops.aten
+_PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.addmm: (1, 2), _aten.baddbmm: (1, 2),
+             _aten.convolution: (0, 1)}
+"""Matrix products and convolutions, by the positions of the two operands their kernels
+require of one dtype."""
 
 
 def _refuse_mixed_products(model: nn.Module, gm: torch.fx.GraphModule) -> None:
@@ -1019,17 +1023,16 @@ def _refuse_mixed_products(model: nn.Module, gm: torch.fx.GraphModule) -> None:
     (an int64 batch into a Linear gives float32), the model's kernels refuse it, and a plan
     traced through it prices a step that cannot run."""
     for node in gm.graph.nodes:
-        operands = _PRODUCTS.get(getattr(node.target, "__name__", "").split(".")[0]) if node.op == "call_function" \
-            else None
-        values = [getattr(node.args[i], "meta", {}).get("val") for i in operands or ()]
+        operands = _PRODUCTS.get(getattr(node.target, "overloadpacket", None), ())
+        values = [getattr(node.args[i], "meta", {}).get("val") for i in operands]
         dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor)]
         if len(set(dtypes)) > 1:
             calls = _call_stack(node)
             where = f"module '{calls[-1][0]}'" if calls and calls[-1][0] else f"{type(model).__name__}.forward"
-            raise ExtractionError(f"could not trace the training step: aten.{node.target.__name__} in {where} "
-                                  f"multiplies a {dtypes[0]} tensor by a {dtypes[1]} one, which PyTorch's kernels "
-                                  "refuse: check the example inputs' dtypes (an integer batch given to a layer "
-                                  "that takes floats, a float32 batch to a model cast to bfloat16)")
+            raise ExtractionError(f"could not trace the training step: {node.target} in {where} multiplies a "
+                                  f"{dtypes[0]} tensor by a {dtypes[1]} one, which PyTorch's kernels refuse: check "
+                                  "the example inputs' dtypes (an integer batch given to a layer that takes floats, "
+                                  "a float32 batch to a model cast to bfloat16)")
 
 
 def _explain_failure(model: nn.Module, error: Exception, where: str) -> str:
