@@ -79,8 +79,8 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     counts (a count no plan fits counts only when its search proved it).
     `report(overhead, bound)`, if given, is called after each count is solved, once a
     plan fits, with the cheapest plan so far and the least bound over every count, both
-    of the whole head's step. InfeasibleBudget
-    when no count fits, naming the least peak found over all."""
+    of the whole head's step. InfeasibleBudget when no count fits, naming the least peak
+    found over all."""
     total = whole.graph.total_cost
     maps = {k: whole if k is None else map_for(k) for k in tried}
     scale = {k: maps[k].graph.total_cost / total for k in tried}
