@@ -939,10 +939,10 @@ def _formula_reads(graph: Graph, formulas: dict[int, list[int]], gm: torch.fx.Gr
 def accumulated_in_place(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
     """Per sum of two gradients that autograd's engine makes between its nodes (a tied
     weight's, a residual stream's), the gradient it adds the other into. Eagerly the engine
-    adds into the first gradient where nothing else holds it (a dense tensor of its own,
-    not a view, which keeps its base, and read by nothing else), else into the second,
-    else makes a new one; a trace on fake tensors, a tensor subclass, always records a new
-    one. So too for a backward formula's `scatter_add_` into zeros of its own (gather's),
+    adds into the first gradient to arrive where nothing else holds it (a dense tensor of
+    its own, not a view, which keeps its base, and read by nothing else), else makes a new
+    one (never into the second, a dense one: `InputBuffer::accumulate`); a trace on fake
+    tensors, a tensor subclass, always records a new one, the first its first argument. So too for a backward formula's `scatter_add_` into zeros of its own (gather's),
     which the trace records out of place."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     kept = set(tree_leaves(output.args[0]))
@@ -956,9 +956,8 @@ def accumulated_in_place(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.
         if node.target is not torch.ops.aten.add.Tensor or custom.get(f"{_MARK}_phase") != "backward" \
                 or custom.get(f"{_MARK}_grad_of") is not None:
             continue
-        into = next((t for t in node.args[:2] if _held_only_by(t, node, kept)), None)
-        if into is not None:
-            found[node] = into
+        if _held_only_by(node.args[0], node, kept):
+            found[node] = node.args[0]
     return found
 
 
