@@ -20,6 +20,7 @@ from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry
 
 from optremat.tracing.onednn import RNN_SCRATCH, channels_last_convolution_backward_workspace
+from optremat.tracing.slow_convolution import slow_convolution_workspace
 
 aten = torch.ops.aten
 
@@ -263,7 +264,9 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     """Temporaries a kernel allocates beyond its outputs, for the kernels known to; the
     CPU's own kernels (flash attention's) only where the step is priced for a CPU (`cpu`).
 
-    Measured on PyTorch's CPU (oneDNN) kernels: a convolution's backward holds reordered
+    Measured on PyTorch's CPU kernels: a convolution ATen runs itself (float64) its
+    im2col columns, forward and backward (`slow_convolution`); one oneDNN runs, in its
+    backward, reordered
     copies of its output gradient and its input while it runs (transposed ones too); a
     strided one builds its input gradient in a scratch buffer instead of the first. On
     channels-last data it runs oneDNN's channels-last kernels instead, priced by
@@ -281,6 +284,10 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     value = lambda k: node.args[k].meta.get("val")  # noqa: E731
     if RNN_SCRATCH in node.meta:
         return node.meta[RNN_SCRATCH]
+    if cpu and packet in (aten.convolution, aten.convolution_backward):
+        slow = slow_convolution_workspace(node)
+        if slow is not None:
+            return slow
     if packet is aten.convolution_backward:
         channels_last = channels_last_convolution_backward_workspace(node)
         if channels_last is not None:
