@@ -266,9 +266,10 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
 
     Measured on PyTorch's CPU kernels: a convolution ATen runs itself (float64) its
     im2col columns, forward and backward (`slow_convolution`); one oneDNN runs, in its
-    backward, reordered
-    copies of its output gradient and its input while it runs (transposed ones too); a
-    strided one builds its input gradient in a scratch buffer instead of the first. On
+    backward, reordered copies of its output gradient and its input while it runs
+    (transposed ones too), in float32 their channels padded to a multiple of 16
+    (`_blocked`); a strided one builds its input gradient in a scratch buffer instead of
+    the first. On
     channels-last data it runs oneDNN's channels-last kernels instead, priced by
     `onednn.channels_last_convolution_backward_workspace`. A batch norm's backward that
     computes the input gradient allocates a scratch buffer of the input's size, its
@@ -296,6 +297,8 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
         grad_output, inputs = tensor_bytes(value(0)), tensor_bytes(value(1))
         if not transposed and any(s != 1 for s in stride):
             return 2 * inputs
+        if cpu and value(1).dtype == torch.float32:
+            return _blocked(grad_output, value(0).shape[1]) + _blocked(inputs, value(1).shape[1])
         return grad_output + inputs
     if packet is aten.native_batch_norm_backward:
         return tensor_bytes(value(1)) if node.args[9][0] else 0
@@ -314,6 +317,12 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     if cpu and packet is aten.native_dropout_backward:
         return tensor_bytes(node.meta.get("val"))  # the masked gradient, before it is scaled
     return 0
+
+
+def _blocked(nbytes: int, channels: int) -> int:
+    """The bytes of a tensor of `nbytes` whose `channels` oneDNN pads to a multiple of 16
+    in its reordered copy."""
+    return nbytes * -(-channels // 16) * 16 // channels
 
 
 LOSS_SCRATCH = {aten.mse_loss: 1, aten.smooth_l1_loss: 1, aten.huber_loss: 1}
