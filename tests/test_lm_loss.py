@@ -300,7 +300,7 @@ def test_at_the_unplanned_peak_the_cheapest_head_is_chosen(lm, few_choices) -> N
     """Nothing needs saving: the head runs whole or chunked, whichever is cheaper, and no
     plan is cheaper than the unplanned step with the whole head."""
     model, idx, ids, _ = lm
-    found = optremat.plan(model, (idx,), 1.0, loss_fn=CausalLMLoss(model.head, ids), time_limit=5)
+    found = optremat.plan(model, (idx,), 1.0, loss_fn=CausalLMLoss(model.head, ids), time_limit=5, deterministic=True)
     assert found.chunking.tried == (None, 2, 8) and found.status == OPTIMAL
     assert found.predicted_overhead <= 0 and found.lower_bound <= found.predicted_overhead
 
@@ -312,11 +312,13 @@ def test_the_count_chosen_is_the_cheapest_of_every_count_planned_alone(lm, few_c
     whole head's step cost), and the bound holds for all of them."""
     model, idx, ids, per_block = lm
     budget = int(per_block.predicted_peak_bytes * fraction)
-    found = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids), time_limit=5)
+    found = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids), time_limit=5,
+                          deterministic=True)  # the proofs must not depend on machine load
     alone = {}
     for k in chunking.CHOICES:
         try:
-            plan = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids, chunks=k), time_limit=5)
+            plan = optremat.plan(model, (idx,), budget, loss_fn=CausalLMLoss(model.head, ids, chunks=k), time_limit=5,
+                                 deterministic=True)
         except optremat.InfeasibleBudget:
             continue
         assert plan.status == OPTIMAL
