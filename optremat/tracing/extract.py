@@ -1010,9 +1010,8 @@ def _mutated_buffers(gm: torch.fx.GraphModule, params: list[str], buffers: list[
     return tuple(sorted(written))
 
 
-_aten = torch.ops.aten
-_PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.addmm: (1, 2), _aten.baddbmm: (1, 2),
-             _aten.convolution: (0, 1)}
+_PRODUCTS = {torch.ops.aten.mm: (0, 1), torch.ops.aten.bmm: (0, 1), torch.ops.aten.addmm: (1, 2),
+             torch.ops.aten.baddbmm: (1, 2), torch.ops.aten.convolution: (0, 1)}
 """Matrix products and convolutions, by the positions of the two operands their kernels
 require of one dtype."""
 
