@@ -32,7 +32,7 @@ from torch.utils._pytree import arg_tree_leaves
 
 from optremat.core.graph import Graph
 from optremat.runtime.ops import is_random
-from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost
+from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost, runs_on_cpu
 from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, LossPrice, assumed_loss, mutated_inputs,
                                       output_loss_price, to_graph)
 
@@ -115,7 +115,7 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
     costs = (timed_costs(joint, placeholders) if cost_model == "profile"
              else {n.name: roofline_cost(n, profile) for n in others})
     backward = set(tangents) | (set(others) - forward)
-    graph = to_graph(ordered, kinds, [], costs, kept, backward.__contains__)
+    graph = to_graph(ordered, kinds, [], costs, kept, backward.__contains__, cpu=runs_on_cpu(profile))
     graph = replace(graph, module=tuple(_module_path(n) for n in ordered))
     mutated = _mutated_inputs(joint, primals)
     fixed = [is_random(n) or bool(mutated_inputs(n)) or _reads_stale(n, mutated) or _is_tangent(n) for n in ordered]

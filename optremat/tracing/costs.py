@@ -16,10 +16,12 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx
+from torch._prims_common import suggest_memory_format
 from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry
 
-from optremat.tracing.onednn import RNN_SCRATCH, channels_last_convolution_backward_workspace
+from optremat.tracing.onednn import (RNN_SCRATCH, channels_last_convolution_backward_workspace,
+                                     plain_convolution_backward_weight_bytes)
 from optremat.tracing.slow_convolution import slow_convolution_workspace
 
 aten = torch.ops.aten
@@ -83,6 +85,12 @@ class DeviceProfile:
                 for t in torch.utils._pytree.tree_leaves(args)):
             return self.float32_flops_per_second
         return self.flops_per_second
+
+
+def runs_on_cpu(profile: DeviceProfile) -> bool:
+    """Whether `profile` prices a CPU's kernels (the built-in "cpu", or this machine's CPU
+    measured), whose own scratch `workspace_bytes` then prices."""
+    return profile.name in ("cpu", "cpu (measured)")
 
 
 COST_MODELS = ("roofline", "profile")
@@ -269,7 +277,10 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     backward, reordered copies of its output gradient and its input while it runs
     (transposed ones too), in float32 their channels padded to a multiple of 16
     (`_blocked`); a strided one builds its input gradient in a scratch buffer instead of
-    the first. On
+    the first; or, where that is more, what it holds for the weight
+    (`onednn.plain_convolution_backward_weight_bytes`: many channels on a small map).
+    Any convolution, forward or backward, first copies the tensors it reads that are not
+    dense in its kernel's memory format (`_contiguous_copies`). On
     channels-last data it runs oneDNN's channels-last kernels instead, priced by
     `onednn.channels_last_convolution_backward_workspace`. A batch norm's backward that
     computes the input gradient allocates a scratch buffer of the input's size, its
@@ -289,17 +300,23 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
         slow = slow_convolution_workspace(node)
         if slow is not None:
             return slow
+    if packet is aten.convolution:
+        return _contiguous_copies(node, (0, 1))
     if packet is aten.convolution_backward:
         channels_last = channels_last_convolution_backward_workspace(node)
         if channels_last is not None:
             return channels_last
         stride, transposed = node.args[4], node.args[7]
         grad_output, inputs = tensor_bytes(value(0)), tensor_bytes(value(1))
+        onednn = cpu and value(1).dtype == torch.float32
         if not transposed and any(s != 1 for s in stride):
-            return 2 * inputs
-        if cpu and value(1).dtype == torch.float32:
-            return _blocked(grad_output, value(0).shape[1]) + _blocked(inputs, value(1).shape[1])
-        return grad_output + inputs
+            activations = 2 * inputs
+        elif onednn:
+            activations = _blocked(grad_output, value(0).shape[1]) + _blocked(inputs, value(1).shape[1])
+        else:
+            activations = grad_output + inputs
+        weight = plain_convolution_backward_weight_bytes(node) if onednn else 0
+        return _contiguous_copies(node, (0, 1, 2)) + max(activations, weight)
     if packet is aten.native_batch_norm_backward:
         return tensor_bytes(value(1)) if node.args[9][0] else 0
     if packet is aten.native_batch_norm:
@@ -317,6 +334,22 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     if cpu and packet is aten.native_dropout_backward:
         return tensor_bytes(node.meta.get("val"))  # the masked gradient, before it is scaled
     return 0
+
+
+def _contiguous_copies(node: torch.fx.Node, positions: tuple[int, ...]) -> int:
+    """Bytes of the copies a convolution (or its backward) makes of the tensors at
+    `positions` of its arguments that are not dense in the memory format its kernel runs
+    in: channels-last where the input or the weight suggests it, else contiguous. A
+    convolution whose output feeds a `torch.cat` gets its output gradient as a slice of
+    the cat's, and copies it before its kernel runs."""
+    tensors = [node.args[k].meta.get("val") for k in positions if isinstance(node.args[k], torch.fx.Node)]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if len(tensors) < len(positions):
+        return 0
+    inputs, weight = tensors[-2:]
+    layouts = {suggest_memory_format(inputs), suggest_memory_format(weight)}
+    layout = next((f for f in (torch.channels_last, torch.channels_last_3d) if f in layouts), torch.contiguous_format)
+    return sum(tensor_bytes(t) for t in tensors if not t.is_contiguous(memory_format=layout))
 
 
 def _blocked(nbytes: int, channels: int) -> int:

@@ -41,7 +41,7 @@ from optremat.core.schedule import keep_all, simulate
 from optremat.tracing import module_state
 from optremat.tracing.chunked import DECOMPOSITIONS
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
-                                    roofline_cost, storage_bytes, workspace_bytes)
+                                    roofline_cost, runs_on_cpu, storage_bytes, workspace_bytes)
 from optremat.tracing.eager_branches import EagerScalarReads, eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, differentiated, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
@@ -238,7 +238,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         costs = _costs(gm, args, cost_model, profile)
         graph = to_graph(fx_nodes, placeholder_kinds, param_names, costs, results,
                          lambda node: node.meta.get("custom", {}).get(f"{_MARK}_phase") == "backward",
-                         accumulated_in_place(gm), cpu=profile.name == "cpu")
+                         accumulated_in_place(gm), cpu=runs_on_cpu(profile))
     except UnboundedSize as error:
         raise ExtractionError(f"{type(model).__name__}'s step cannot be priced: {error}, so no memory price "
                               "holds for every batch") from None

@@ -69,6 +69,37 @@ _AVX512_BLOCK = 16
 """Channels per AVX512 register: oneDNN's blocked weight layouts pad channels to it."""
 
 
+def plain_convolution_backward_weight_bytes(node: torch.fx.Node) -> int:
+    """What a float32 convolution's backward that oneDNN runs on contiguous data holds for
+    its weight at once: the weight gradient in oneDNN's blocked layout and the bias
+    gradient, or without a weight gradient the weight reordered for the input gradient's
+    kernel; 0 where oneDNN does not run it, for the first-layer kernel and for grouped
+    ones (not measured). The kernel holds this or its reordered activations, whichever
+    is more (measured on one thread, to the byte on 18 shapes of 16 to 512 channels on
+    4x4 to 64x64 maps; on two threads some shapes also hold a copy of the weight gradient
+    per thread)."""
+    grad_output, inputs, weight = (node.args[k].meta.get("val") if isinstance(node.args[k], torch.fx.Node)
+                                   else None for k in range(3))
+    if not all(isinstance(t, torch.Tensor) for t in (grad_output, inputs, weight)):
+        return 0
+    stride, padding, dilation, transposed, output_padding, groups, mask = node.args[4:11]
+    if transposed or groups != 1 or weight.dim() != 4:
+        return 0
+    try:
+        backend = torch._C._select_conv_backend(inputs, weight, None, list(stride), list(padding), list(dilation),
+                                                transposed, list(output_padding), groups, None)
+    except (RuntimeError, TypeError):
+        return 0
+    if backend != torch._C._ConvBackend.Mkldnn:
+        return 0
+    item, weight_bytes = weight.element_size(), weight.numel() * weight.element_size()
+    if not mask[1]:
+        return weight_bytes if mask[0] else 0
+    blocked = _onednn_weight_gradient_bytes(weight, groups, list(inputs.shape[2:]), list(grad_output.shape[2:]),
+                                            list(stride), list(padding), list(dilation))
+    return 0 if blocked is None else blocked + (weight.shape[0] * item if mask[2] else 0)
+
+
 def _onednn_weight_gradient_bytes(weight: torch.Tensor, groups: int, size_in: list[int], size_out: list[int],
                                   stride: list[int], padding: list[int], dilation: list[int]) -> int | None:
     """Bytes of the blocked weight gradient oneDNN's AVX512 kernels compute on
