@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
@@ -537,6 +538,24 @@ def test_a_failing_pytorch_partitioner_leaves_the_plan_to_optremat(monkeypatch: 
         got = step(torch.compile(example.model, backend=backend, dynamic=False), example.inputs, example.loss_fn)
     assert_same_step(expected, got)
     assert backend.plans[0].compared == ()
+
+
+def test_pytorchs_partitions_compete_on_a_model_carrying_a_native_plan() -> None:
+    """A model whose calls a native plan checkpoints compiles to a joint graph in which
+    PyTorch's partitioner samples RNG states, which needs the graph's fake tensor mode:
+    run outside it, the partitioner failed with a warning at every budget."""
+    example = gpt()
+    plan = optremat.plan(example.model, example.inputs, 0.6, loss_fn=example.loss_fn, time_limit=5,
+                         deterministic=True)
+    assert any(region.path == "blocks.0" for region in plan.regions)  # its dropout with it
+    expected = step(example.model, example.inputs, example.loss_fn)
+    planned = optremat.apply(example.model, plan)
+    backend = optremat.compile_backend(0.8, inner="aot_eager", time_limit=5, loss_fn=example.loss_fn)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*min-cut partitioner failed")
+        got = step(torch.compile(planned, backend=backend, dynamic=False), example.inputs, example.loss_fn)
+    assert_same_step(expected, got)
+    assert any(name.startswith("PyTorch") for name, _, _ in backend.plans[0].compared)
 
 
 @pytest.mark.slow

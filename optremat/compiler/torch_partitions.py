@@ -11,6 +11,7 @@ pricing."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ import numpy as np
 import torch._functorch.config as functorch_config
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
 
 from optremat.core.graph import Graph
 
@@ -40,11 +42,15 @@ def torch_keep_set(joint: fx.GraphModule, joint_inputs: Sequence[object], kwargs
     `activation_memory_budget=fraction` does not recompute in its backward graph (a view
     of a recomputed tensor is recomputed with it, whatever name the backward graph gives
     it). On a graph of thousands of nodes it takes seconds (a 32-layer Llama's: 3 to 8).
-    `joint` is not modified. Should PyTorch's partitioner fail, a warning says so and
-    None is returned."""
+    `joint` is not modified. It runs under the joint graph's fake tensor mode, as
+    AOTAutograd runs it (a graph with random ops in checkpointed calls has their RNG
+    states sampled in it). Should PyTorch's partitioner fail, a warning says so and None
+    is returned."""
     copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    fake_mode = detect_fake_mode(joint_inputs)
     try:
-        with functorch_config.patch(activation_memory_budget=fraction), warnings.catch_warnings():
+        with (functorch_config.patch(activation_memory_budget=fraction), warnings.catch_warnings(),
+              fake_mode if fake_mode is not None else contextlib.nullcontext()):
             warnings.simplefilter("ignore")
             _, backward = min_cut_rematerialization_partition(copied, joint_inputs, **kwargs)
     except Exception as error:  # noqa: BLE001 - PyTorch's partitioner is a rival, never a requirement
