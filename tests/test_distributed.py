@@ -6,6 +6,7 @@ and every rank runs the same decisions."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -185,6 +186,47 @@ def test_a_transformers_llama_with_its_head_chunked_under_fsdp2() -> None:
         assert measured <= 1.05 * budget and abs(measured - predicted) <= 0.10 * predicted, (budget, predicted, measured)
     for name, p in model.named_parameters():
         np.testing.assert_allclose(ranks[0][5][name], p.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def head_sharded_rank(grouped: bool) -> tuple[bool, bool, dict]:
+    """One FSDP2 rank running a transformers Llama's own loss with its head planned in 4
+    chunks, the head sharded with the final norm (`grouped`, as accelerate shards them) or
+    alone: whether a warning said the head runs whole, whether the logits came back None,
+    and the whole gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, tokens = hf_llama()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    batch = {"input_ids": tokens, "labels": tokens}
+    optremat.apply(model, optremat.plan(model, batch, 1.0, head_chunks=4, time_limit=1, deterministic=True))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard([model.model.norm, model.lm_head] if grouped else model.lm_head, reshard_after_forward=False)
+    fully_shard(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = model(**batch)
+        outputs.loss.backward()
+    whole = any("run whole" in str(w.message) for w in caught)
+    return whole, outputs.logits is None, whole_gradients(model)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_head_fsdp2_gathers_with_the_final_norm_runs_in_chunks_and_one_sharded_alone_whole(grouped: bool) -> None:
+    """FSDP2 completes a group some module of which never ran its forward, so a head
+    sharded in one group with the final norm (gathered as the norm runs) runs in chunks;
+    a head sharded alone would never be gathered, and runs whole, with a warning. Both
+    give the unsharded model's gradients."""
+    pytest.importorskip("transformers")
+    (whole, no_logits, gradients), = run_local(head_sharded_rank, 1, grouped)
+    assert whole != grouped and no_logits == grouped
+    model, tokens = hf_llama()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(gradients[name], p.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def replanning_rank() -> tuple[str, str]:

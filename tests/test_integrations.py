@@ -199,24 +199,32 @@ def fsdp2_rank(budget: float) -> dict:
         out[name] = {"loss": step().item(), "gradients": whole_gradients(model)}
         if name == "planned":
             out.update(plan=prepare.plan, peak=rank_peak(model, model, batch, step))
+        optimizer.step()
+        out[name]["trained"] = []
+        for _ in range(2):
+            out[name]["trained"].append(step().item())
+            optimizer.step()
     return out
 
 
 def test_accelerate_fsdp2_prepares_a_planned_model_that_trains_the_same() -> None:
-    ranks = run_local(fsdp2_rank, 2, 0.7)
+    """The plan runs the model's own head and loss in token chunks inside the FSDP2 group
+    accelerate makes of the final norm and the head (before, FSDP2's hooks on the head
+    made it run whole: the plan at half the peak measured 1.96 times its prediction)."""
+    ranks = run_local(fsdp2_rank, 2, 0.5)
     without_fsdp2, checkpointing = ranks[0]["refused"]
     assert "FullyShardedDataParallelPlugin(fsdp_version=2)" in without_fsdp2
     assert "without activation_checkpointing=True" in checkpointing
     plans = [rank["plan"] for rank in ranks]
     assert plans[0].regions and plans[0].regions == plans[1].regions
-    # FSDP2 hooks the head, so it runs whole: planned in chunks, a plan at half the peak measured 1.96 times it
-    assert plans[0].chunking is None or plans[0].chunking.chunks is None
+    assert plans[0].chunking.chunks is not None and plans[0].chunking == plans[1].chunking
     assert plans[0].parallel.groups == (("model.norm", "lm_head"),)
     assert plans[0].parallel.units == ("model.layers.0", "model.layers.1", "model.layers.2", "model.embed_tokens")
     for rank in ranks:
-        assert rank["planned"]["loss"] == rank["plain"]["loss"]
+        np.testing.assert_allclose(rank["planned"]["loss"], rank["plain"]["loss"], rtol=1e-6)
+        np.testing.assert_allclose(rank["planned"]["trained"], rank["plain"]["trained"], rtol=1e-5)
         plan, measured = rank["plan"], rank["peak"]
         assert measured <= 1.02 * plan.budget_bytes, (measured, plan.summary())
         assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (measured, plan.summary())
     for name, grad in ranks[0]["plain"]["gradients"].items():
-        np.testing.assert_array_equal(ranks[0]["planned"]["gradients"][name], grad, err_msg=name)
+        np.testing.assert_allclose(ranks[0]["planned"]["gradients"][name], grad, rtol=1e-5, atol=1e-7, err_msg=name)

@@ -46,9 +46,9 @@ class Prepare:
     `batch=` or else the first batch of the DataLoader among `args` (read with the random
     number generators left as they were), in training mode. `plan` is the plan applied,
     once made; `cache`, `solver`, `time_limit` and `deterministic` are `optremat.plan`'s.
-    A causal LM's own head and loss are planned whole, as they run: FSDP2 hooks the head,
-    and a head run in chunks would not call its hooks (planned in chunks, the head ran
-    whole, and a plan at half the unplanned peak measured 1.96 times its prediction).
+    A causal LM's own head and loss run whole or in token chunks as the plan chooses: the
+    head in chunks never runs its forward, and FSDP2 completes the group of the final
+    norm and the head that accelerate makes without it (torch 2.13).
 
     The Accelerator must run FSDP2 with what the plan prices: no activation checkpointing
     of its own, no mixed-precision policy, no CPU offload, no ignored modules, no
@@ -79,11 +79,9 @@ class Prepare:
             example = batch_on(_first_batch(accelerator, args) if batch is None else batch, device)
             model.train()
             try:
-                # FSDP2 hooks the LM head, and a head run in chunks would not call them: it runs whole
                 self.plan = plan_every_rank(model, example, self.budget, parallel, cache=self.cache,
                                             solver=self.solver, time_limit=self.time_limit,
-                                            deterministic=self.deterministic, device=profile_for(accelerator.device),
-                                            head_chunks=None)
+                                            deterministic=self.deterministic, device=profile_for(accelerator.device))
             finally:
                 model.train(training)
         log.info("optremat: %s", self.plan.summary().replace("\n", "; "))

@@ -84,13 +84,40 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 def _hooked(model: nn.Module) -> str | None:
     """Why hooks on `model`'s head, or on every module, keep the head from running in
-    chunks, or None."""
+    chunks, or None. FSDP2's own hooks do not: where a module of an FSDP2 group never
+    runs its forward (a head run in chunks), the root's post-forward completes the group
+    and its post-backward runs at the end of the backward (torch 2.13)."""
     head = model.get_output_embeddings()
-    if any(getattr(head, name) for name in MODULE_HOOKS):
+    if any(not _fsdp2_own(head, hook) for name in MODULE_HOOKS for hook in getattr(head, name).values()):
         return f"{type(model).__name__}'s lm_head has hooks, which a head run in chunks would not call"
     if any(getattr(nn.modules.module, name) for name in _GLOBAL_HOOKS):
         return "a global module hook is registered, which a head run in chunks would not call on lm_head"
     return None
+
+
+def _fsdp2_own(head: nn.Module, hook: Callable[..., Any]) -> bool:
+    """Whether `hook` is one FSDP2 registers on `head` for a group of modules it shards
+    together (another of which gathers the group's parameters as it runs, the final norm
+    as accelerate groups them; a head sharded alone would never be gathered), in a torch
+    whose root completes a group some module of which never ran its forward."""
+    group = getattr(head, "_get_fsdp_state", None)
+    if group is None or len(getattr(group(), "_modules", ())) < 2:
+        return False
+    function = inspect.unwrap(hook)
+    defined_in = getattr(function, "__module__", None) or ""
+    return (defined_in.startswith("torch.distributed.fsdp")
+            and getattr(function, "__qualname__", "") in ("FSDPState._pre_forward", "FSDPState._post_forward")
+            and hasattr(getattr(sys.modules[defined_in], "FSDPState", None), "_force_complete_incomplete_states"))
+
+
+def _sharded_as(module: nn.Module) -> type:
+    """The class of `module`, or the class FSDP2 made it a subclass of when it sharded it
+    (`FSDP<class>`, which adds FSDP2's methods and no forward of its own)."""
+    cls = type(module)
+    first = cls.__bases__[0]
+    sharded = (len(cls.__bases__) == 2 and first.__name__ == "FSDPModule"
+               and first.__module__.startswith("torch.distributed.fsdp"))
+    return cls.__bases__[1] if sharded else cls
 
 
 def own_head(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -240,7 +267,7 @@ def _unsupported_class(model: nn.Module) -> str | None:
 
     if model.loss_function is not ForCausalLMLoss:
         return f"{name}'s loss_function is not transformers' ForCausalLMLoss"
-    if type(model.get_output_embeddings()) is not nn.Linear:
+    if _sharded_as(model.get_output_embeddings()) is not nn.Linear:
         return f"{name}'s lm_head is not an nn.Linear"
     return None
 
