@@ -125,6 +125,33 @@ class PythonBackward(nn.Module):
         return self.down(TanhGelu.apply(self.up(x)))
 
 
+class GeluAgain(torch.autograd.Function):
+    """A GELU whose Python backward differentiates the op again, as memory-saving custom
+    activations do: the recomputed result is held by `torch.autograd.grad`'s argument
+    until that call returns, though no op reads it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return nn.functional.gelu(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            again = x.detach().requires_grad_()
+            return torch.autograd.grad(nn.functional.gelu(again), again, g)[0]
+
+
+class Regrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(GeluAgain.apply(self.up(x)))
+
+
 class Heads(nn.Module):
     """A projection's result reshaped into heads and kept in a variable, as attention
     keeps its queries: the variable holds it until the forward returns, in a rerun too,
@@ -193,6 +220,9 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[Region, ...]]] = {
         lambda: framed(Attention(heads_first=True)), (Region("1", 0),)),
     "a Python backward's temporaries dropped as its expressions read them": (lambda: framed(PythonBackward()), ()),
     "gather's whole input held until its backward formula runs": (lambda: framed(Gathered()), ()),
+    "a Python backward's result handed to autograd.grad held until it returns": (lambda: framed(Regrad()), ()),
+    "a Python backward's result handed to autograd.grad, its call checkpointed": (
+        lambda: framed(Regrad()), (Region("1", 0),)),
     "a call's result held by the caller's variable through its views, in its rerun too": (
         lambda: framed(Heads()), (Region("1", 0),)),
     "a plain function's variables held until it returns": (lambda: framed(Spread()), ()),

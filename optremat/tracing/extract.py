@@ -847,13 +847,15 @@ def _lives_to(graph: Graph, holds: dict[str, str], index: dict[str, int], formul
     until the formula returns (its temporaries die with the statement or the function,
     its outputs are passed on), so until the last of them (`_formulas`). A Python
     backward (`python`) drops a temporary as soon as its expression has read it, and holds
-    a named variable until it returns: taken to be the results read more than once."""
+    a named variable until it returns: taken to be the results read more than once, and
+    those no op reads (handed to `torch.autograd.grad`, as a formula recomputing its op
+    under `enable_grad` does: held until that call returns)."""
     lives_to = _viewed_returns(graph, calls)
     for name, last in holds.items():
         if name in index and last in index:
             lives_to[index[name]] = max(lives_to[index[name]], index[last])
     for seq_nr, ops in formulas.items():
-        named = [v for v in ops if len(graph.succs[v]) > 1] if seq_nr in python else ops
+        named = [v for v in ops if len(graph.succs[v]) != 1] if seq_nr in python else ops
         lives_to[named] = np.maximum(lives_to[named], max(ops))
     return np.where(lives_to > np.arange(graph.n), lives_to, -1)
 
