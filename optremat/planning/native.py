@@ -205,7 +205,8 @@ def _never_checkpointed(rmap: RegionMap) -> str:
         notes.append(f"no plan checkpoints {_named(calls)}: each is handed a key/value cache, draws from a generator "
                      "checkpoint does not restore, or changes its module's Python state or a tensor attribute, "
                      "which a rerun would do again, or reads a tensor's value as a number, or Python state the step "
-                     "changes after it")
+                     "changes after it, or runs a torch.autograd.Function keeping tensors on its ctx (not "
+                     "save_for_backward), which checkpoint cannot drop")
     because = {call: never_rerun_because(rmap, call) for call in rmap.members
                if parse_span(call[0]) is None and call not in rmap.not_rerun}
     ruled = sorted(call for call, reason in because.items() if reason is not None)

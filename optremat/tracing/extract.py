@@ -174,7 +174,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             else:
                 roots, root_grads = _grad_leaves(out), grad_outputs
         wanted = differentiated(inputs)
-        with _phase("backward"), _tag_grad_fns(roots, python):
+        with _phase("backward"), _tag_grad_fns(roots, python, on_ctx, (params, buffers, inputs)):
             seeds = _seeds(roots) if root_grads is None else []
             grads = torch.autograd.grad(roots, [params[k] for k in trainable] + wanted, root_grads or seeds,
                                         allow_unused=True)
@@ -193,6 +193,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     reading: set[tuple[str, int]] = set()
     places: set[str] = set()
     python: set[int] = set()
+    on_ctx: set[int] = set()
     with module_state.kept(model), _tracing(), host_random_kept(), _reentrant_checkpoint_refused(), \
             _grouped_mm_in_any_float(), eager_mask_decisions(leaves), \
             _module_paths(model, cached, host_drawing, stateful) as stack, _python_holds(model) as holds, \
@@ -253,6 +254,9 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     # more piece of state a rerun would write again
     stateful.update(call for node, stack in zip(nodes, calls)
                     if any(_viewed(p).op == "get_attr" for p in mutated_inputs(node)) for call in stack)
+    # an autograd.Function keeping tensors on its ctx holds them through any checkpoint around it
+    stateful.update(call for node, stack in zip(nodes, calls) if node.meta.get("seq_nr") in on_ctx
+                    for call in stack)
     index = {name: i for i, name in enumerate(graph.names)}
     gradient_nodes = tuple(index[node.name] for node in results[len(results) - len(structure["gradients"]):])
     grad_of = _grad_of(gm, graph)
@@ -546,10 +550,14 @@ def _phase(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def _tag_grad_fns(roots: list[torch.Tensor], python: set[int]) -> Iterator[None]:
+def _tag_grad_fns(roots: list[torch.Tensor], python: set[int], on_ctx: set[int], resident: Any) -> Iterator[None]:
     """Tag the ops each autograd node runs in the backward with its sequence number, which
     the forward ops that created it carry as `seq_nr`; add to `python` the sequence numbers
-    of nodes whose backward is Python's (a `torch.autograd.Function`)."""
+    of nodes whose backward is Python's (a `torch.autograd.Function`), and to `on_ctx`
+    those of such nodes whose `ctx` keeps tensors the step computes as attributes, not
+    `save_for_backward` (a weight or an input among `resident` costs nothing there):
+    checkpoint cannot drop those, which live as long as the node."""
+    standing = set(_storages(resident))
     def enter(seq_nr: int) -> Callable:
         return lambda grad_outputs: _set_custom(grad_of=seq_nr)
 
@@ -566,6 +574,8 @@ def _tag_grad_fns(roots: list[torch.Tensor], python: set[int]) -> Iterator[None]
         handles += [fn.register_prehook(enter(fn._sequence_nr())), fn.register_hook(leave)]
         if isinstance(fn, torch.autograd.function.BackwardCFunction):
             python.add(fn._sequence_nr())
+            if set(_storages(list(vars(fn).values()))) - standing:
+                on_ctx.add(fn._sequence_nr())
         stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     try:
         yield
