@@ -134,13 +134,10 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     at the event where the first composed plan peaks; the bound is the better of the
     knapsacks at those two events.
     `memo` keeps the frontiers solved for the next step with the same blocks."""
-    started = time.perf_counter()
     timeline = _timeline(chain)
     if timeline is None:
         return None
-    frontiers = _Frontiers(RegionModel(chain.rmap, chain.inner[timeline.middle]), timeline,
-                           (time_limit, workers, seed, deterministic, started), memo or FrontierMemo(),
-                           int(chain.rmap.members[chain.blocks[timeline.middle]].min()))
+    frontiers = _frontiers(chain, timeline, (time_limit, workers, seed, deterministic, time.perf_counter()), memo)
     limits = (min(time_limit, COMPOSE_SECONDS), workers, seed, deterministic)
     found: list[tuple[Region, ...]] = []
     bound = _relaxed(chain, timeline, frontiers, timeline.anchor, budget, found)
@@ -158,6 +155,26 @@ def solve_chain(chain: Chain, budget: int, time_limit: float, *, workers: int = 
     if priced is not None and bound > priced.cost * (1 + 1e-9):
         bound = -math.inf  # a plan below the bound: the blocks' bytes did not add as the bound assumes
     return Composed(priced, bound, tuple(options))
+
+
+def chain_bound(chain: Chain, budget: int, time_limit: float, *, workers: int = 0, seed: int = 0,
+                deterministic: bool = False, memo: FrontierMemo | None = None) -> float:
+    """The bound `solve_chain` puts on every plan of regions inside the blocks under
+    `budget` (seconds of the whole step; -inf where none is known), from the knapsack at
+    the anchor alone: nothing is profiled or composed, so with the frontiers in `memo` it
+    costs one simulation of the unplanned step."""
+    timeline = _timeline(chain)
+    if timeline is None:
+        return -math.inf
+    frontiers = _frontiers(chain, timeline, (time_limit, workers, seed, deterministic, time.perf_counter()), memo)
+    return _relaxed(chain, timeline, frontiers, timeline.anchor, budget, []) + chain.rmap.graph.total_cost
+
+
+def _frontiers(chain: Chain, timeline: _Timeline, limits: tuple, memo: FrontierMemo | None) -> _Frontiers:
+    """The middle block's frontiers, solved under `limits` (seconds, workers, seed,
+    deterministic, start) unless `memo` has them."""
+    return _Frontiers(RegionModel(chain.rmap, chain.inner[timeline.middle]), timeline, limits,
+                      memo or FrontierMemo(), int(chain.rmap.members[chain.blocks[timeline.middle]].min()))
 
 
 def _round(chain: Chain, timeline: _Timeline, found: list[tuple[Region, ...]],

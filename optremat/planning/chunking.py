@@ -64,7 +64,8 @@ S = TypeVar("S", bound=Step)
 
 def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | None], head: str,
                   budget_bytes: int, solve: Callable[[S, float], Plan], time_limit: float,
-                  report: Callable[[float, float], None] | None = None, deterministic: bool = False) -> Plan:
+                  report: Callable[[float, float], None] | None = None, deterministic: bool = False,
+                  bound_of: Callable[[S], float | None] | None = None) -> Plan:
     """The cheapest plan that fits over every count in `tried`: `whole` is the step with
     the whole head, `map_for(k)` the one in k chunks, `solve(step, time_limit)` the
     plan for one. Counts are solved from the cheapest step up, each given an equal share
@@ -75,7 +76,9 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     search's (for a count refused unproven, the finite bound its composition put on
     plans of regions inside the blocks, the scope composed plans' bounds have), or where
     that search proved none (or did not run) its step's own cost: no plan of it costs
-    less. Ties go to fewer chunks. OPTIMAL when the plan meets the least bound of all
+    less, or for a count no time was left for, the larger `bound_of(step)` (an overhead
+    of that step, found without searching; None where it knows none). Ties go to fewer
+    chunks. OPTIMAL when the plan meets the least bound of all
     counts (a count no plan fits counts only when its search proved it).
     `report(overhead, bound)`, if given, is called after each count is solved, once a
     plan fits, with the cheapest plan so far and the least bound over every count, both
@@ -91,8 +94,13 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     for i, k in enumerate(order):
         cheapest = min((f[1] for f in found.values()), default=math.inf)
         share = time_limit / len(tried) if deterministic else (deadline - time.perf_counter()) / (len(order) - i)
-        if scale[k] - 1 > cheapest + ROUNDING or (share <= 0 and math.isfinite(cheapest)):
+        if scale[k] - 1 > cheapest + ROUNDING:
             found[k] = (None, math.inf, scale[k] - 1)
+            continue
+        if share <= 0 and math.isfinite(cheapest):
+            known = None if bound_of is None else bound_of(maps[k])
+            found[k] = (None, math.inf, scale[k] - 1 if known is None else max(scale[k] * (1 + known) - 1,
+                                                                                 scale[k] - 1))
             continue
         try:
             plan = solve(maps[k], max(share, time_limit / len(tried) / 4))

@@ -22,11 +22,11 @@ from optremat.core.graph import format_bytes
 from optremat.core.sharding import DDP, FSDP, Parallel, check_matched
 from optremat.core.solution import Progress
 from optremat.ilp.composed import FrontierMemo
-from optremat.ilp.search import check_search, check_time_limit
+from optremat.ilp.search import LEAST_SECONDS, check_search, check_time_limit
 from optremat.planners.solve import SOLVERS
 from optremat.planning.cache import PlanCache
 from optremat.planning.chunking import choices, head_name, solve_chunked
-from optremat.planning.native import region_map, solve_native
+from optremat.planning.native import composed_bound, region_map, solve_native
 from optremat.planning.result import Chunking, Plan, loss_note
 from optremat.tracing.causal_lm import own_head, running
 from optremat.tracing.costs import DeviceProfile, model_device
@@ -129,11 +129,15 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
         return solve_native(region_plans, budget_bytes, solver=solver, time_limit=limit, workers=workers, seed=seed,
                             deterministic=deterministic, started=started, memo=memo, progress=reported)
 
+    def bound_of(region_plans: Any) -> float | None:
+        return composed_bound(region_plans, budget_bytes, time_limit=LEAST_SECONDS, workers=workers, seed=seed,
+                              deterministic=deterministic, memo=memo)
+
     def solved() -> Plan:
         report = None if progress is None else lambda cost, bound: progress(time.perf_counter() - started, cost, bound)
         found = (solve(rmap, time_limit) if not chunked else
                  solve_chunked(rmap, lambda k: traced_map(k)[1], choices(tokens), head, budget_bytes, solve,
-                               time_limit, report, deterministic))
+                               time_limit, report, deterministic, bound_of))
         if own is not None and not chunked:  # the count asked for, recorded for apply() to run
             found = replace(found, chunking=Chunking(head, asked, found.baseline_peak_bytes, (asked,)))
         chunks = None if found.chunking is None else found.chunking.chunks

@@ -24,7 +24,7 @@ from optremat.core.schedule import keep_all, kept_for_backward, peak_floor, simu
 from optremat.core.sharding import FSDP, Parallel, per_rank, unit_of
 from optremat.core.solution import FEASIBLE, HEURISTIC, OPTIMAL, Progress, Solution
 from optremat.ilp.bounds import solver_floor
-from optremat.ilp.composed import Composed, FrontierMemo, solve_chain
+from optremat.ilp.composed import Composed, FrontierMemo, chain_bound, solve_chain
 from optremat.ilp.region_cpsat import least_peak, solve_regions
 from optremat.ilp.search import LEAST_SECONDS
 from optremat.planners.chain import Chain, chain_of
@@ -126,6 +126,23 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
     name = composed.name if scoped else coarse_solution.solver if coarse else best.source
     return _plan_of(rmap, best, budget_bytes, name, bound, started,
                     coarse_solution.cost / total - 1 if coarse else best.overhead)
+
+
+def composed_bound(rmap: RegionMap, budget_bytes: int, *, time_limit: float, workers: int, seed: int,
+                   deterministic: bool, memo: FrontierMemo | None = None) -> float | None:
+    """A bound on the overhead of any plan of `rmap`'s step under `budget_bytes`, with no
+    search for a plan: inf under the step's `peak_floor` (no plan fits), else where the
+    step has a chain of SEEDED_BLOCKS blocks the bound its composition puts on plans of
+    regions inside them (`chain_bound`: with their frontiers in `memo`, one simulation);
+    None where neither says anything."""
+    if budget_bytes < peak_floor(rmap.graph):
+        return math.inf
+    chain = chain_of(rmap)
+    if chain is None or len(chain.blocks) < SEEDED_BLOCKS:
+        return None
+    bound = chain_bound(chain, budget_bytes, time_limit, workers=workers, seed=seed, deterministic=deterministic,
+                        memo=memo)
+    return bound / rmap.graph.total_cost - 1 if math.isfinite(bound) else None
 
 
 def _inside(chain: Chain, best: Priced) -> bool:
