@@ -92,9 +92,8 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
         return _plan_of(rmap, composed.result.priced, budget_bytes, composed.name, composed.result.bound, started)
     kept, coarse_solution = _coarse_kept(rmap, budget_bytes, solver, _left(time_limit, composing, deterministic),
                                          workers, seed, deterministic)
-    candidates = search(rmap, budget_bytes, kept)
-    if composed is not None and composed.result.priced is not None:
-        candidates.append(composed.result.priced)
+    have = [composed.result.priced] if composed is not None and composed.result.priced is not None else []
+    candidates = search(rmap, budget_bytes, kept, math.inf if deterministic else composing + time_limit, have) + have
     fitting = [c for c in candidates if c.result.peak_bytes <= budget_bytes]
     if not fitting and candidates and composed is not None and long:
         raise _refused(rmap, candidates, budget_bytes, solver, floor, composed.result.bound)
