@@ -88,9 +88,10 @@ class DeviceProfile:
 
 
 def runs_on_cpu(profile: DeviceProfile) -> bool:
-    """Whether `profile` prices a CPU's kernels (the built-in "cpu", or this machine's CPU
-    measured), whose own scratch `workspace_bytes` then prices."""
-    return profile.name in ("cpu", "cpu (measured)")
+    """Whether `profile` prices a CPU's kernels, whose own scratch `workspace_bytes` then
+    prices: a CPU's is the profile whose allocator maps large allocations fresh
+    (`mapped_bytes`), the built-in "cpu" and any measured from it, whatever its name."""
+    return profile.mapped_bytes is not None
 
 
 COST_MODELS = ("roofline", "profile")
