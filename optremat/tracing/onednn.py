@@ -11,6 +11,7 @@ import torch
 from torch._prims_common import suggest_memory_format
 
 from optremat.tracing.host_memory import host_peak
+from optremat.tracing.slow_convolution import convolution_backend
 
 
 def channels_last_convolution_backward_workspace(node: torch.fx.Node) -> int | None:
@@ -38,12 +39,7 @@ def channels_last_convolution_backward_workspace(node: torch.fx.Node) -> int | N
         return None
     if torch.channels_last not in (suggest_memory_format(inputs), suggest_memory_format(weight)):
         return None
-    try:
-        backend = torch._C._select_conv_backend(inputs, weight, None, list(stride), list(padding), list(dilation),
-                                                transposed, list(output_padding), groups, None)
-    except (RuntimeError, TypeError):
-        return None
-    if backend != torch._C._ConvBackend.Mkldnn:
+    if convolution_backend(node) != torch._C._ConvBackend.Mkldnn:
         return None
     item = weight.element_size()
     weight_bytes = weight.numel() * item
@@ -83,14 +79,7 @@ def plain_convolution_backward_weight_bytes(node: torch.fx.Node) -> int:
     if not all(isinstance(t, torch.Tensor) for t in (grad_output, inputs, weight)):
         return 0
     stride, padding, dilation, transposed, output_padding, groups, mask = node.args[4:11]
-    if transposed or groups != 1 or weight.dim() != 4:
-        return 0
-    try:
-        backend = torch._C._select_conv_backend(inputs, weight, None, list(stride), list(padding), list(dilation),
-                                                transposed, list(output_padding), groups, None)
-    except (RuntimeError, TypeError):
-        return 0
-    if backend != torch._C._ConvBackend.Mkldnn:
+    if transposed or groups != 1 or weight.dim() != 4 or convolution_backend(node) != torch._C._ConvBackend.Mkldnn:
         return 0
     item, weight_bytes = weight.element_size(), weight.numel() * weight.element_size()
     if not mask[1]:

@@ -30,6 +30,20 @@ _ONE_SAMPLE = {_Backend.SlowDilated2d, _Backend.SlowDilated3d}
 _TRANSPOSED = {_Backend.SlowTranspose2d, _Backend.SlowTranspose3d}
 
 
+def convolution_backend(node: torch.fx.Node) -> torch._C._ConvBackend | None:
+    """The kernel PyTorch runs the convolution or convolution backward `node` with, as
+    `torch._C._select_conv_backend` chooses it on the traced (fake) tensors; None where it
+    cannot tell."""
+    first = 1 if node.target.overloadpacket is torch.ops.aten.convolution_backward else 0
+    inputs, weight = (node.args[first + k].meta.get("val") for k in range(2))
+    stride, padding, dilation, transposed, output_padding, groups = node.args[first + 3:first + 9]
+    try:
+        return torch._C._select_conv_backend(inputs, weight, None, list(stride), list(padding), list(dilation),
+                                             transposed, list(output_padding), groups, None)
+    except (RuntimeError, TypeError):
+        return None
+
+
 def slow_convolution_workspace(node: torch.fx.Node) -> int | None:
     """The bytes of columns the convolution or convolution backward `node` allocates
     beyond its outputs where ATen's own CPU kernels run it; None where another backend
@@ -40,8 +54,7 @@ def slow_convolution_workspace(node: torch.fx.Node) -> int | None:
     stride, padding, dilation, transposed, output_padding, groups = node.args[first + 3:first + 9]
     if inputs.device.type != "cpu":
         return None
-    backend = torch._C._select_conv_backend(inputs, weight, None, list(stride), list(padding), list(dilation),
-                                            transposed, list(output_padding), groups, None)
+    backend = convolution_backend(node)
     if backend not in _WHOLE_BATCH | _ONE_SAMPLE | _TRANSPOSED:
         return None
     kernel = math.prod(weight.shape[2:])
