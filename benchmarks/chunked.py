@@ -17,7 +17,9 @@ PyTorch's `activation_memory_budget=0.3` (aot_eager_decomp_partition); optremat 
 with `chunks="auto"` at each of those measured peaks (where no plan is predicted to fit
 one, at the least peak found, timed against that peer) and at 85%, 70% and 55% of
 per-block checkpointing's; `optremat.compile_backend` (Inductor) on the model, the loss's
-chunks left to it, at each peer's measured peak. The least peak of any region plan with the whole head and
+chunks left to it, at each peer's measured peak, its overhead measured against the model
+compiled by Inductor unplanned with the whole head (the step its prediction is priced
+against; that step's own row is against the eager one). The least peak of any region plan with the whole head and
 with the chunks optremat prices is stated above the table (proven where the exact search
 proved it). Step times as `benchmarks.native` measures them: every configuration in the
 same process over `rounds` rounds after one uncounted warm-up round, in a shuffled order
@@ -74,7 +76,9 @@ Rows: the unplanned step; transformers' `gradient_checkpointing_enable()`
 `loss_fn` (`head_chunks="auto"`: its own head and loss whole or in token chunks) at each
 of those peaks and at 85%, 70% and 55% of the first; `optremat.compile_causal_lm` with
 `compile_backend` (Inductor) on a copy of the model (its base model compiled, its own
-head and loss run after it in the chunks the plan chooses) at each peer's peak. The least
+head and loss run after it in the chunks the plan chooses) at each peer's peak, its
+overhead measured against a copy with its base model compiled by Inductor unplanned and
+the head whole (whose own row is against the eager step). The least
 peaks and step times as for gpt-mini (`python -m benchmarks.chunked`)."""
 """The Llama page's description, after its command line."""
 MIXTRAL_PAGE = """The model is the Llama's shape as transformers' `MixtralForCausalLM` (4 experts, 2
@@ -143,16 +147,17 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         forward = torch.compile(lambda ids: whole(model(ids)), backend=torch_budget_backend(torch_budget))
         peers[f"PyTorch activation_memory_budget {torch_budget:g} (torch.compile)"] = (
             "whole", lambda: torch.autograd.grad(forward(idx), params))
-    def compiled_step(backend: Backend) -> Step:
+    def compiled_step(backend: Backend | str) -> Step:
         forward = torch.compile(model, backend=backend, dynamic=False)
-        return lambda: torch.autograd.grad(auto(forward(idx)), params)
+        loss_fn = whole if isinstance(backend, str) else auto
+        return lambda: torch.autograd.grad(loss_fn(forward(idx)), params)
 
     pricing = {"cost_model": cost_model} | ({} if profile is None else {"device": profile})
     compiled = None if inner is None else (lambda label, budget, measured: compiled_plan(
         auto, label, budget, inner, limit, pricing, compiled_step, measured))
     return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, **pricing),
                    dict(loss_fn=auto, **pricing), rounds, limit, device, fractions, least_peaks, labels,
-                   compiled)
+                   compiled, None if inner is None else (inner, compiled_step(inner)))
 
 
 def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
@@ -199,6 +204,13 @@ def causal_lm(config_class: str, model_class: str, extra: dict[str, Any], rounds
         weights = list(planned.parameters())
         return lambda: torch.autograd.grad(planned(**inputs).loss, weights)
 
+    def inductor_step() -> tuple:
+        return torch.autograd.grad(unplanned_compiled(**inputs).loss, compiled_weights)
+
+    unplanned_compiled = copy.deepcopy(model)
+    unplanned_compiled.model = torch.compile(unplanned_compiled.model, backend="inductor", dynamic=False)
+    compiled_weights = list(unplanned_compiled.parameters())
+
     peers = {"gradient_checkpointing_enable()": ("whole", per_block),
              f"PyTorch activation_memory_budget {TORCH_BUDGET:g} (torch.compile)": (
                  "whole", lambda: torch.autograd.grad(whole(), params))}
@@ -206,14 +218,14 @@ def causal_lm(config_class: str, model_class: str, extra: dict[str, Any], rounds
                    dict(cost_model=cost_model), rounds, limit,
                    compiled=lambda label, budget, measured: compiled_plan(
                        None, label, budget, "inductor", limit, {"cost_model": cost_model}, compiled_step, measured,
-                       "optremat compile_causal_lm"))
+                       "optremat compile_causal_lm"), compiled_unplanned=("inductor", inductor_step))
 
 
 def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, peers: dict[str, tuple[str, Step]],
             whole: dict[str, Any], auto: dict[str, Any], rounds: int, limit: float, device: str = "cpu",
             fractions: tuple[float, ...] = (0.85, 0.7, 0.55), least_peaks: bool = True, targets: Any = (),
-            compiled: Callable[[str, int, Callable[[Step], int]], tuple[Step | None, dict[str, str]]] | None = None
-            ) -> tuple[list[str], list[list[str]]]:
+            compiled: Callable[[str, int, Callable[[Step], int]], tuple[Step | None, dict[str, str]]] | None = None,
+            compiled_unplanned: tuple[str, Step] | None = None) -> tuple[list[str], list[list[str]]]:
     """The least peaks of region plans with the whole head (`whole`: plan()'s options
     for it) and with its chunks priced (`auto`), and the rows: the `unplanned` step, each
     of `peers` (its head, its step), and optremat's plans (`planned_step` run with each
@@ -222,7 +234,8 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, 
     every peak measured on `device` (the least peaks left out without `least_peaks`), with
     the parameters, buffers, inputs and loss `targets` resident, as plans price them;
     with `compiled(label, budget, measured)`, a compiled plan's step and row at each
-    peer's peak too."""
+    peer's peak too, its overhead measured against `compiled_unplanned` (its inner
+    compiler's name and its unplanned step, the head whole), as its prediction is priced."""
     params = list(model.parameters())
     resident = [params, list(model.buffers()), inputs, targets]
 
@@ -237,6 +250,10 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, 
     for name, (head, run) in peers.items():
         peaks[name] = measured(run)
         methods[name] = (run, {"method": name, "head": head, "measured peak": format_bytes(peaks[name])})
+    if compiled_unplanned is not None:
+        inner, run = compiled_unplanned
+        methods["compiled"] = (run, {"method": f"unplanned, torch.compile ({inner})", "head": "whole",
+                                     "measured peak": format_bytes(measured(run))})
     peer = next(iter(peers))
     peer_peak = peaks[peer]
     floors = []
@@ -276,9 +293,9 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, 
     for name, peak in peaks.items() if compiled is not None else ():
         label = f"= {name} ({format_bytes(peak)})"
         try:
-            methods[f"optremat compiled = {name}"] = compiled(label, peak, measured)
+            methods[f"compile_backend = {name}"] = compiled(label, peak, measured)
         except Exception as error:  # a row, not the page, lost: the other rows took minutes of a lent device
-            methods[f"optremat compiled = {name}"] = (None, {"method": "optremat compile_backend", "budget": label,
+            methods[f"compile_backend = {name}"] = (None, {"method": "optremat compile_backend", "budget": label,
                                                              "predicted peak": f"failed: {type(error).__name__}"})
     _time(methods, rounds, device)
     return floors, [[fields.get(column, "-") for column in HEADER] for _, fields in methods.values()]

@@ -223,7 +223,8 @@ def rows(name: str, rounds: int, limit: float, device: str, backend: str, cost_m
 
 def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], rounds: int, device: str) -> None:
     """Each configuration's median overhead over its baseline (the unplanned step of the
-    same mode), and each optremat row's median per-round ratio to the peer whose peak it
+    same mode: a compiled plan's the unplanned compiled step, "compiled", whose own is the
+    eager step), and each optremat row's median per-round ratio to the peer whose peak it
     was given."""
     runs = {key: run for key, (run, _) in methods.items() if run is not None}
     seconds: dict[str, list[float]] = {key: [] for key in runs}
@@ -235,7 +236,8 @@ def _time(methods: dict[str, tuple[Callable[[], Any] | None, dict[str, str]]], r
         keys = list(runs)
         order.shuffle(keys)
         for key in keys:
-            baseline = _seconds(runs["compiled" if key.startswith(("torch", "compile")) else "unplanned"], device)
+            compiled = key.startswith(("torch", "compile_backend")) and "compiled" in runs
+            baseline = _seconds(runs["compiled" if compiled else "unplanned"], device)
             seconds[key].append(_seconds(runs[key], device))
             ratios[key].append(seconds[key][-1] / baseline)
     for key in runs:

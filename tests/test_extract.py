@@ -273,12 +273,33 @@ def test_the_cpu_prices_faulting_in_the_pages_of_each_new_output_of_32_mib_or_mo
         return y, y.view(-1), y.add_(1)
 
     big, small = _priced(step, torch.empty(8, 2**20)), _priced(step, torch.empty(4, 2**20))  # 32 and 16 MiB
-    launch, pages = DEVICES["cpu"].launch_seconds, 32 * 2**20 / 3.0e9
-    moved = {op: small[op] - launch for op in small}
-    assert big["aten.mul.Tensor"] == pytest.approx(launch + 2 * moved["aten.mul.Tensor"] + pages, rel=1e-6)
-    assert big["aten.add_.Tensor"] == pytest.approx(launch + 2 * moved["aten.add_.Tensor"], rel=1e-6)
+    cpu = DEVICES["cpu"]
+    launch, pages, read_and_written = cpu.launch_seconds, 32 * 2**20 / 3.0e9, 64 * 2**20 / cpu.bytes_per_second
+    assert big["aten.mul.Tensor"] == pytest.approx(launch + read_and_written + pages, rel=1e-6)
+    assert big["aten.add_.Tensor"] == pytest.approx(launch + read_and_written, rel=1e-6)
+    assert small["aten.mul.Tensor"] == small["aten.add_.Tensor"]
     on_gpu = [_priced(step, torch.empty(rows, 2**20), profile="h100")["aten.mul.Tensor"] for rows in (8, 4)]
     assert on_gpu[0] == pytest.approx(2 * on_gpu[1], rel=1e-6)
+
+
+def test_the_cpu_moves_the_tensors_its_cache_holds_at_the_cache_rate():
+    """An op whose every tensor is under `cache_bytes` reads and writes them at the
+    cache's rate (a causal LM's head in 16 MiB token chunks ran each pass over a chunk
+    3.4 times faster than memory's rate priced it); one touching a larger tensor, or any
+    op on a profile without a cache rate, at `bytes_per_second`."""
+    cpu = DEVICES["cpu"]
+    for rows, rate in ((7, cpu.cache_bytes_per_second), (9, cpu.bytes_per_second)):  # 28 and 36 MiB
+        x = torch.empty(rows, 2**20)
+        cost = _priced(lambda x: x.mul_(2), x)["aten.mul_.Tensor"]
+        assert cost == pytest.approx(cpu.launch_seconds + 2 * rows * 2**22 / rate, rel=1e-6)
+    reads_large = _priced(lambda y: y.sum(0), torch.empty(9, 2**20))["aten.sum.dim_IntList"]  # into 4 MiB
+    assert reads_large == pytest.approx(cpu.launch_seconds + 10 * 2**22 / cpu.bytes_per_second, rel=1e-6)
+    small = torch.empty(4, 2**20)
+    without = dataclasses.replace(cpu, cache_bytes_per_second=None)
+    from torch.fx.experimental.proxy_tensor import make_fx
+    node = next(n for n in make_fx(lambda x: x.mul_(2), tracing_mode="fake")(small).graph.nodes
+                if n.op == "call_function")
+    assert roofline_cost(node, without) == pytest.approx(cpu.launch_seconds + 2 * 4 * 2**22 / cpu.bytes_per_second)
 
 
 def test_a_gpu_prices_float32_products_at_their_rate_and_overlaps_launches_with_work():
@@ -301,7 +322,8 @@ def test_a_device_profile_refuses_rates_no_device_has():
     plans at -138176%: refused where the profile is made, naming the field."""
     cpu = DEVICES["cpu"]
     for field, value in (("bytes_per_second", 0.0), ("flops_per_second", -1.0), ("rerun_seconds", -1.0),
-                         ("pack_seconds", math.nan), ("float32_flops_per_second", math.inf)):
+                         ("pack_seconds", math.nan), ("float32_flops_per_second", math.inf),
+                         ("cache_bytes_per_second", 0.0)):
         with pytest.raises(ValueError, match=f"{field} must be a finite number"):
             dataclasses.replace(cpu, **{field: value})
     for device in ("meta", "xla"):
@@ -315,7 +337,7 @@ def test_a_profile_measured_on_this_machine_prices_a_plan(tmp_path):
     regions at another shape over it."""
     profile = optremat.measure_profile("cpu", name="this cpu")
     rates = [getattr(profile, field) for field in ("flops_per_second", "float32_flops_per_second", "bytes_per_second",
-                                                   "launch_seconds", "rerun_seconds")]
+                                                   "cache_bytes_per_second", "launch_seconds", "rerun_seconds")]
     assert all(0 < rate < math.inf for rate in rates) and not profile.overlaps_launch
     assert min(profile.dispatch_seconds, profile.pack_seconds) >= 0
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])

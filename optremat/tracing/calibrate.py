@@ -2,7 +2,7 @@
 describes, or to price a step as this machine's PyTorch runs it.
 
 Each rate is timed on small, fixed workloads in about a second: matrix products in a
-16-bit type and in float32, a copy, chains of tiny ops, plain and checkpointed (with and
+16-bit type and in float32, a copy (on a CPU also one its cache holds), chains of tiny ops, plain and checkpointed (with and
 without a selective policy).
 """
 
@@ -28,12 +28,13 @@ tensor are the line through the two."""
 def measure_profile(device: str | torch.device | None = None, name: str | None = None) -> DeviceProfile:
     """A `DeviceProfile` of `device` measured on it: the product rates in bfloat16 (or
     float16 where bfloat16 has no fast kernel) and float32 as PyTorch runs them now (its
-    TF32 settings included), the copy bandwidth, the time one tiny op takes (on a GPU the
+    TF32 settings included), the copy bandwidth (on a CPU also of a copy its cache holds,
+    8 MiB), the time one tiny op takes (on a GPU the
     host's launch: the GPU works on one op while the host launches the next), what a
     Python dispatch mode adds per op, and what `torch.utils.checkpoint` adds per call and
     per saved tensor. Pass it as `device=` to `plan`, `compile_backend` or `extract`;
     `name` names it (the device's name by default). What no workload shows (the host
-    allocator's mapped pages, the RNG state's bytes) is the CPU's or the GPUs' built-in.
+    allocator's mapped pages, the size the CPU's cache rate holds to, the RNG state's bytes) is the CPU's or the GPUs' built-in.
     `device` is a CUDA device or the CPU (None: the current CUDA device where there is
     one, else the CPU); anything else is a ValueError."""
     if device is None:
@@ -59,6 +60,7 @@ def measure_profile(device: str | torch.device | None = None, name: str | None =
         flops_per_second=_product_rate(device, half, side),
         float32_flops_per_second=_product_rate(device, torch.float32, side),
         bytes_per_second=_copy_rate(device, (256 if cuda else 128) * 2**20),
+        cache_bytes_per_second=None if cuda else _copy_rate(device, 8 * 2**20),
         launch_seconds=launch, dispatch_seconds=dispatch, rerun_seconds=rerun, pack_seconds=pack,
         overlaps_launch=cuda)
 
