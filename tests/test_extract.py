@@ -187,6 +187,27 @@ def test_a_loss_that_ignores_the_output_is_refused_naming_it():
         extract(nn.Linear(2, 2), torch.randn(1, 2), lambda y: torch.zeros((), requires_grad=True))
 
 
+@pytest.mark.parametrize("loss, named", [(lambda y: y * 2, r"of shape \[4, 2\] \(reduce it"),
+                                         (lambda y: 3.0, "not float"),
+                                         (lambda y: y.sum().long(), "torch.int64 tensor of shape \[\]")])
+def test_a_loss_that_is_not_one_number_is_refused_naming_what_it_is(loss, named):
+    """A loss left unreduced (reduction="none") failed in the backward, blaming the
+    model's forward and asking for the op to be reported; a Python number, inside the
+    tracer. A loss of one element of any shape is one number."""
+    with pytest.raises(ExtractionError, match=f"loss_fn must return the loss as a tensor holding one.*{named}"):
+        extract(nn.Linear(2, 2), torch.randn(4, 2), loss)
+    assert extract(nn.Linear(2, 2), torch.randn(4, 2), lambda y: y.sum().reshape(1, 1)).n > 0
+
+
+def test_a_lazy_module_not_yet_run_is_refused_saying_to_run_it_once():
+    """PyTorch's own message was cut short and followed by a hint to report the op."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    with pytest.raises(ExtractionError, match="'0.weight' is not initialized yet.*run the model once on a batch"):
+        extract(model, torch.randn(4, 3), lambda y: y.sum())
+    model(torch.randn(4, 3))
+    assert extract(model, torch.randn(4, 3), lambda y: y.sum()).n > 0
+
+
 def test_profiled_costs_are_measured_times():
     example = build("mlp-tiny")
     g = extract(example.model, example.inputs, example.loss_fn, cost_model="profile")

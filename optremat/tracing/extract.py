@@ -146,6 +146,10 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
     if not trainable and not differentiated(inputs):
         raise ExtractionError(f"{type(model).__name__} has no parameter that requires grad, and no input does: there "
                               "is no backward to plan")
+    lazy = [name for name, t in (*params.items(), *buffers.items()) if nn.parameter.is_lazy(t)]
+    if lazy:
+        raise ExtractionError(f"{type(model).__name__}'s '{lazy[0]}' is not initialized yet (a lazy module's): run "
+                              "the model once on a batch before planning, so that its shapes are known")
     sparse = [path for path, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
         raise ExtractionError(f"module '{sparse[0]}' makes a sparse gradient (sparse=True), which optremat does not "
@@ -170,7 +174,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
             attributes = _set_by_forward(model)
             if loss_fn is not None:
                 with standing_in({identity[name]: t for name, t in params.items()}):
-                    roots, root_grads = [loss_fn(out)], None
+                    roots, root_grads = [_scalar_loss(loss_fn(out))], None
             else:
                 roots, root_grads = _grad_leaves(out), grad_outputs
         wanted = differentiated(inputs)
@@ -547,6 +551,18 @@ def _phase(name: str) -> Iterator[None]:
         yield
     finally:
         _set_custom(phase="forward")
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    """What `loss_fn` returned, refused unless it is one floating-point number in a tensor
+    (a loss with reduction="none" failed deep in the backward, blaming the model)."""
+    if not isinstance(loss, torch.Tensor):
+        raise ExtractionError(f"loss_fn must return the loss as a tensor holding one number, not "
+                              f"{type(loss).__name__}")
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise ExtractionError(f"loss_fn must return the loss as a tensor holding one floating-point number, not a "
+                              f"{loss.dtype} tensor of shape {list(loss.shape)} (reduce it: .mean() or .sum())")
+    return loss
 
 
 @contextmanager
