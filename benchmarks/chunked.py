@@ -26,9 +26,10 @@ same process over `rounds` rounds after one uncounted warm-up round, in a shuffl
 each round, each right after an unplanned step; the overhead is the median of the
 per-round ratios, and optremat / peer the median of the per-round ratios of optremat's
 step to the step of the peer whose peak it was given. Predicted overheads come from the
-roofline time model, which prices every pass over the logits at memory bandwidth; on a
-CPU the whole head's passes over the full logits run slower than that and a chunk's, in
-cache, faster, so chunked plans measure below their prediction.
+roofline time model, which prices a pass over a chunk's logits (under 32 MiB) at the
+CPU's cache rate and one over the whole logits at memory's, with their fresh pages
+faulted in; the whole head's passes still run slower than that, so chunked plans measure
+below their prediction.
 With `--cost-model profile` (page `chunked_profile.md`) every op of every count's step is
 timed on this machine instead (best of three, alone, so in cache).
 """
