@@ -2,8 +2,8 @@
 describes, or to price a step as this machine's PyTorch runs it.
 
 Each rate is timed on small, fixed workloads in about a second: matrix products in a
-16-bit type and in float32, a copy (on a CPU also one its cache holds), chains of tiny ops, plain and checkpointed (with and
-without a selective policy).
+16-bit type and in float32, a copy (on a CPU also one its cache holds), chains of tiny
+ops, plain and checkpointed (with and without a selective policy).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ def measure_profile(device: str | torch.device | None = None, name: str | None =
     """A `DeviceProfile` of `device` measured on it: the product rates in bfloat16 (or
     float16 where bfloat16 has no fast kernel) and float32 as PyTorch runs them now (its
     TF32 settings included), the copy bandwidth (on a CPU also of a copy its cache holds,
-    8 MiB), the time one tiny op takes (on a GPU the
-    host's launch: the GPU works on one op while the host launches the next), what a
-    Python dispatch mode adds per op, and what `torch.utils.checkpoint` adds per call and
-    per saved tensor. Pass it as `device=` to `plan`, `compile_backend` or `extract`;
-    `name` names it (the device's name by default). What no workload shows (the host
-    allocator's mapped pages, the size the CPU's cache rate holds to, the RNG state's bytes) is the CPU's or the GPUs' built-in.
-    `device` is a CUDA device or the CPU (None: the current CUDA device where there is
-    one, else the CPU); anything else is a ValueError."""
+    8 MiB), the time one tiny op takes (on a GPU the host's launch: the GPU works on one
+    op while the host launches the next), what a Python dispatch mode adds per op, and
+    what `torch.utils.checkpoint` adds per call and per saved tensor. Pass it as
+    `device=` to `plan`, `compile_backend` or `extract`; `name` names it (the device's
+    name by default). What no workload shows (the host allocator's mapped pages, the size
+    the CPU's cache rate holds to, the RNG state's bytes) is the CPU's or the GPUs'
+    built-in. `device` is a CUDA device or the CPU (None: the current CUDA device where
+    there is one, else the CPU); anything else is a ValueError."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

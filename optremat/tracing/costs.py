@@ -49,12 +49,13 @@ class DeviceProfile:
     Caching allocators (a GPU's) keep their blocks: None there.
 
     `cache_bytes_per_second`: the rate an op moves its bytes at where no tensor it reads
-    or writes (of a tensor it indexes into, what it selects) is over `cache_bytes` (None: `bytes_per_second` for every op). On a CPU
-    those come from the heap's pages the step touched just before, still in its cache,
-    and larger ones are fresh (`mapped_bytes`) or stream from memory: measured on a
-    2-core x86 CPU with torch 2.13 on one thread, copies ran at 2.1-2.3e10 B/s up to
-    16 MiB and 1.2e10 at 128 MiB, and in the step of a causal LM whose head ran in
-    16 MiB token chunks each pass over a chunk took 1.0 ms, where 1e10 B/s prices 3.4 ms.
+    or writes (of a tensor it indexes into, what it selects) is over `cache_bytes`
+    (None: `bytes_per_second` for every op). On a CPU those come from the heap's pages
+    the step touched just before, still in its cache, and larger ones are fresh
+    (`mapped_bytes`) or stream from memory: measured on a 2-core x86 CPU with torch 2.13
+    on one thread, copies ran at 2.1-2.3e10 B/s up to 16 MiB and 1.2e10 at 128 MiB, and
+    in the step of a causal LM whose head ran in 16 MiB token chunks each pass over a
+    chunk took 1.0 ms, where 1e10 B/s prices 3.4 ms.
 
     `float32_flops_per_second`: the product rate of ops on float32 (and float64) tensors,
     where it differs from the 16-bit rate `flops_per_second` (a GPU's tensor cores; None:
@@ -260,6 +261,7 @@ def moved_bytes(target: Any, args: tuple, kwargs: dict, out: Any) -> list[int]:
 
 
 def _each_bytes(value: Any) -> list[int]:
+    """Bytes of each tensor in a (possibly nested) value."""
     return [tensor_bytes(t) for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
