@@ -148,9 +148,8 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         forward = torch.compile(lambda ids: whole(model(ids)), backend=torch_budget_backend(torch_budget))
         peers[f"PyTorch activation_memory_budget {torch_budget:g} (torch.compile)"] = (
             "whole", lambda: torch.autograd.grad(forward(idx), params))
-    def compiled_step(backend: Backend | str) -> Step:
+    def compiled_step(backend: Backend | str, loss_fn: Callable[[Any], torch.Tensor] = auto) -> Step:
         forward = torch.compile(model, backend=backend, dynamic=False)
-        loss_fn = whole if isinstance(backend, str) else auto
         return lambda: torch.autograd.grad(loss_fn(forward(idx)), params)
 
     pricing = {"cost_model": cost_model} | ({} if profile is None else {"device": profile})
@@ -158,7 +157,7 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
         auto, label, budget, inner, limit, pricing, compiled_step, measured))
     return compare(model, (idx,), step_of(whole), step_of(auto), peers, dict(loss_fn=whole, **pricing),
                    dict(loss_fn=auto, **pricing), rounds, limit, device, fractions, least_peaks, labels,
-                   compiled, None if inner is None else (inner, compiled_step(inner)))
+                   compiled, None if inner is None else (inner, compiled_step(inner, whole)))
 
 
 def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
@@ -205,12 +204,10 @@ def causal_lm(config_class: str, model_class: str, extra: dict[str, Any], rounds
         weights = list(planned.parameters())
         return lambda: torch.autograd.grad(planned(**inputs).loss, weights)
 
-    def inductor_step() -> tuple:
-        return torch.autograd.grad(unplanned_compiled(**inputs).loss, compiled_weights)
-
-    unplanned_compiled = copy.deepcopy(model)
+    unplanned_compiled = copy.deepcopy(model)  # its base model compiled by Inductor, the head whole
     unplanned_compiled.model = torch.compile(unplanned_compiled.model, backend="inductor", dynamic=False)
     compiled_weights = list(unplanned_compiled.parameters())
+    inductor_step = lambda: torch.autograd.grad(unplanned_compiled(**inputs).loss, compiled_weights)  # noqa: E731
 
     peers = {"gradient_checkpointing_enable()": ("whole", per_block),
              f"PyTorch activation_memory_budget {TORCH_BUDGET:g} (torch.compile)": (

@@ -199,8 +199,13 @@ class UnboundedSize(ValueError):
 
 def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor in a (possibly nested) value, each counted by its own size."""
+    return sum(each_tensor_bytes(value))
+
+
+def each_tensor_bytes(value: Any) -> list[int]:
+    """Bytes of each tensor in a (possibly nested) value, in its pytree order."""
     leaves = torch.utils._pytree.tree_leaves(value)
-    return sum(concrete(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    return [concrete(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor)]
 
 
 def op_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
@@ -249,20 +254,15 @@ def moved_bytes(target: Any, args: tuple, kwargs: dict, out: Any) -> list[int]:
     packet = getattr(target, "overloadpacket", None)
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor):
-        return _each_bytes((args, kwargs, out))
-    rest = _each_bytes((args[1:], kwargs))
+        return each_tensor_bytes((args, kwargs, out))
+    rest = each_tensor_bytes((args[1:], kwargs))
     if packet in _GATHERS:
-        return rest + _each_bytes((out, out))
+        return rest + each_tensor_bytes((out, out))
     if packet in _SCATTERS and len(args) > _SCATTERS[packet]:
-        return rest + _each_bytes((args[_SCATTERS[packet]],) * 2)
+        return rest + each_tensor_bytes((args[_SCATTERS[packet]],) * 2)
     if packet is aten.nll_loss_forward and len(args) > 1:
-        return rest + _each_bytes(out) + [concrete(args[1].numel()) * first.element_size()]
-    return _each_bytes((args, kwargs, out))
-
-
-def _each_bytes(value: Any) -> list[int]:
-    """Bytes of each tensor in a (possibly nested) value."""
-    return [tensor_bytes(t) for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        return rest + each_tensor_bytes(out) + [concrete(args[1].numel()) * first.element_size()]
+    return each_tensor_bytes((args, kwargs, out))
 
 
 def mapped_seconds(target: Any, out: Any, profile: DeviceProfile) -> float:
