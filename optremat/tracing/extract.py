@@ -39,7 +39,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from optremat.core.graph import Graph
 from optremat.core.schedule import keep_all, simulate
 from optremat.tracing import module_state
-from optremat.tracing.chunked import DECOMPOSITIONS
+from optremat.tracing.chunk_copies import chunks_expanded
+from optremat.tracing.chunked import DECOMPOSITIONS, loops_shortened
 from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, concrete, device_profile, profile_costs,
                                     roofline_cost, runs_on_cpu, storage_bytes, workspace_bytes)
 from optremat.tracing.eager_branches import EagerScalarReads, eager_mask_decisions, writes_in_place
@@ -47,7 +48,7 @@ from optremat.tracing.inputs import Call, call_of, differentiated, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
 from optremat.tracing.lm_loss import standing_in
 from optremat.tracing.onednn import size_rnn_workspaces
-from optremat.tracing.repeat import expanded, hooks_kept, repeated_blocks, shortened
+from optremat.tracing.repeat import NotAlike, expanded, hooks_kept, repeated_blocks, shortened
 from optremat.tracing.traced import Traced
 
 
@@ -102,8 +103,9 @@ def trace(
 ) -> Traced:
     """Like `extract`, also returning the fx graph traced. With the roofline, a model of
     many alike blocks is traced through four of them and the rest copied
-    (`tracing.repeat`), where the trace shows they repeat; else, and with timed costs
-    (each op run), the whole step is traced. The step traced is the training step whatever
+    (`tracing.repeat`), and an LM head's chunk loop through four chunks
+    (`tracing.chunk_copies`), where the trace shows they repeat; else, and with timed
+    costs (each op run), the whole step is traced. The step traced is the training step whatever
     mode the caller runs in: gradients on, inference mode and anomaly detection off (under
     `no_grad` no backward was traced; anomaly mode's check of every gradient for NaNs reads
     values a trace does not have)."""
@@ -117,6 +119,7 @@ def trace(
                 copied = None
             if copied is not None:
                 return copied
+            return _through_four_chunks(model, example_inputs, loss_fn, device)
         return _trace(model, example_inputs, loss_fn, cost_model, device)
 
 
@@ -130,8 +133,23 @@ def _through_four_blocks(model: nn.Module, example_inputs: Sequence[Any] | Any,
         return None
     short = shortened(model, blocks[0])
     with hooks_kept(model):
-        traced = _trace(short, example_inputs, loss_fn, "roofline", device)
+        traced = _through_four_chunks(short, example_inputs, loss_fn, device)
     return expanded(traced, short, model, *blocks)
+
+
+def _through_four_chunks(model: nn.Module, example_inputs: Sequence[Any] | Any,
+                         loss_fn: Callable[[Any], torch.Tensor] | None, device: str | DeviceProfile) -> Traced:
+    """The step, priced by the roofline, with an LM head's chunk loop traced through four
+    chunks and the rest copied (`tracing.chunk_copies`); traced whole where the chunks
+    traced do not repeat."""
+    with loops_shortened(lambda chunk: _set_custom(chunk=chunk)):
+        traced = _trace(model, example_inputs, loss_fn, "roofline", device)
+    by_name = {node.name: node for node in traced.module.graph.nodes}
+    marks = [by_name[name].meta.get("custom", {}).get(f"{_MARK}_chunk") for name in traced.graph.names]
+    try:
+        return chunks_expanded(traced, marks)
+    except NotAlike:
+        return _trace(model, example_inputs, loss_fn, "roofline", device)
 
 
 def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor] | None,

@@ -250,10 +250,11 @@ def _rebound(forward: Any, module: nn.Module, clone: nn.Module) -> Any:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
     """Where the short step's blocks lie: each block's forward and backward segment (the
     ops from the block's first up to the next block's first, the last block's forward up
-    to its own last op, the first block's backward up to its last), and its placeholders."""
+    to its own last op, the first block's backward up to its last; `NO_SPAN` for none),
+    and its placeholders."""
 
     forward: tuple[tuple[int, int], ...]
     backward: tuple[tuple[int, int], ...]
@@ -264,6 +265,10 @@ class _Layout:
             if _within(v, self.forward[i]) or _within(v, self.backward[i]) or v in self.places[i]:
                 return i
         return None
+
+
+NO_SPAN = (-1, -1)
+"""A segment of no ops (a loop of the forward alone has no backward segments)."""
 
 
 def _within(v: int, span: tuple[int, int]) -> bool:
@@ -278,7 +283,7 @@ def _block_path(path: str, i: int) -> str:
     return f"{path}.{i}" if path else str(i)
 
 
-def _layout(traced: Traced, names: list[str], path: str) -> _Layout:
+def _layout(traced: Traced, names: list[str], path: str) -> Layout:
     graph = traced.graph
     prefixes = [_block_path(path, i) for i in range(KEPT)]
     forward_ops = [[v for v, stack in enumerate(traced.calls) if any(p == prefix for p, _ in stack)]
@@ -293,18 +298,19 @@ def _layout(traced: Traced, names: list[str], path: str) -> _Layout:
     if starts != sorted(set(starts)) or back != sorted(set(back), reverse=True) or back[-1] < starts[-1]:
         raise NotAlike("the blocks' ops do not follow each other in the step")
     places = tuple(tuple(k for k, name in enumerate(names) if _under(name, prefix)) for prefix in prefixes)
-    return _Layout(tuple(zip(starts[:-1], starts[1:])), tuple(zip(back, back_ends)), places)
+    return Layout(tuple(zip(starts[:-1], starts[1:])), tuple(zip(back, back_ends)), places)
 
 
-def _signature(traced: Traced, layout: _Layout, i: int, path: str) -> list[tuple]:
+def signature(traced: Traced, layout: Layout, i: int, path: str | None) -> list[tuple]:
     """Block i's nodes as the copies depend on them: their own facts and, for each node
     read, where it lies relative to block i (its own or a neighbour's segment, its
-    placeholders, or a node outside every block)."""
+    placeholders, or a node outside every block); module paths under the block at `path`
+    relative to it (None: segments of no module of their own, as is)."""
     graph, (f0, f1), (b0, b1) = traced.graph, layout.forward[i], layout.backward[i]
     place = {v: k for k, v in enumerate(layout.places[i])}
     f_lo, f_hi = layout.forward[i - 1][0], layout.forward[i + 1][1]
     b_lo, b_hi = layout.backward[i + 1][0], layout.backward[i - 1][1]
-    prefix = _block_path(path, i)
+    prefix = None if path is None else _block_path(path, i)
 
     def ref(t: int) -> tuple:
         if t < 0:
@@ -318,7 +324,7 @@ def _signature(traced: Traced, layout: _Layout, i: int, path: str) -> list[tuple
         return ("outside", t) if layout.block_of(t) is None else ("block", t)
 
     def named(name: str) -> str:
-        return "*" + name[len(prefix):] if _under(name, prefix) else name
+        return "*" + name[len(prefix):] if prefix is not None and _under(name, prefix) else name
 
     preds = graph.pred_lists
     return [(graph.ops[v], int(graph.size[v]), float(graph.cost[v]), bool(graph.backward[v]), graph.kind[v],
@@ -335,9 +341,9 @@ def expanded(traced: Traced, short: nn.Module, model: nn.Module, path: str, n: i
     third blocks do not repeat as the copies need."""
     names = [*dict(short.named_parameters()), *dict(short.named_buffers())]
     layout = _layout(traced, names, path)
-    if _signature(traced, layout, 1, path) != _signature(traced, layout, 2, path):
+    if signature(traced, layout, 1, path) != signature(traced, layout, 2, path):
         raise NotAlike("the second and third blocks differ")
-    copies = _Copies(traced, layout, path, n)
+    copies = Copies(traced, layout, path, n)
     graph = copies.graph()
     full = [*dict(model.named_parameters()), *dict(model.named_buffers())]
     if int(np.sum(np.array(graph.kind) == "param")) != len(full):
@@ -356,11 +362,12 @@ def expanded(traced: Traced, short: nn.Module, model: nn.Module, path: str, n: i
                    random=tuple(traced.random[v] for v, _ in copies.order), mutated_buffers=mutated)
 
 
-class _Copies:
+class Copies:
     """The expanded step's nodes in order, each a short step's node and the block index it
-    is copied for (None: the node itself), and how each node read maps into it."""
+    is copied for (None: the node itself), and how each node read maps into it; module
+    paths under the blocks at `path` renamed for each copy (None: kept)."""
 
-    def __init__(self, traced: Traced, layout: _Layout, path: str, n: int) -> None:
+    def __init__(self, traced: Traced, layout: Layout, path: str | None, n: int) -> None:
         self.traced, self.layout, self.path, self.n = traced, layout, path, n
         self.middle = range(2, n - 1)
         (f0, f1), (b0, b1) = layout.forward[2], layout.backward[2]
@@ -422,6 +429,8 @@ class _Copies:
 
     def renamed(self, name: str, j: int | None) -> str:
         """A module path of the short step as block `j`'s copy (or the node itself) names it."""
+        if self.path is None:
+            return name
         block = 2 if j is not None else KEPT - 1
         prefix = _block_path(self.path, block)
         if not _under(name, prefix):
