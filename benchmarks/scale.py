@@ -73,19 +73,22 @@ PLAN_NOTES = [
     "The head's chunks lower the step's floor (the whole logits and their float32 copies are gone), so the same "
     "budgets cost less than with the head whole in the first table: the 7B at per-block checkpointing's peak "
     "+7.41% with 2 chunks, where the head whole costs +8.12% and per-block itself +10.68%; the 13B at half its "
-    "unplanned peak, refused with the head whole, plans at +7.66% (bound +6.86%) in 56 s. Its plan came from a "
+    "unplanned peak, refused with the head whole, plans at +7.66% (bound +6.86%) in 46 s. Its plan came from a "
     "seed, not the composition, which found none; the composition's bound holds for it, as its regions all lie "
     "inside the layers. The counts share the time limit, and those no time is left for are bounded by their "
     "chains' compositions, from the block frontiers the solved counts left in the memo (one simulation each): "
     "before, by their steps' own costs, which put that row's bound at +0.10% (the code before, rerun on this "
-    "machine: 57.6 s, the same plan). Eight steps are traced (the head whole and in 2 to 128 chunks, the "
-    "128-chunk loop the longest) and some solved; the blocks' frontiers are solved once for all counts, and the "
-    "choice of one option per block is polished for 0.3 s per count.",
+    "machine: 57.6 s, the same plan). Eight steps are traced, the head whole and in 2 to 128 chunks, each chunk "
+    "loop through five chunks and the others copied (`optremat.tracing.chunk_copies`): 1.0 to 1.8 s a step, "
+    "where the 128-chunk step took 7.1 s traced whole. A count is searched only where its chain's composition "
+    "bounds its plans below the plan found (from the block frontiers the counts before it left in the memo, one "
+    "simulation): the 7B at half its peak searched the first count and 3 of the other 7. The choice of one "
+    "option per block is polished for 0.3 s per count searched.",
     "",
     "This machine runs these steps about 1.6 times slower than the one these tables were first measured on "
-    "(tracing 1.5 s against 1.0 s for the 7B, its solves 3.5 to 4.9 s against 2.0 to 2.6 s; the test suite "
-    "8:39 against 4:58): there the same plans and bounds took 16 to 24 s end to end for the 7B, here 26 to "
-    "38 s, and 71 s for the 13B at half its peak.",
+    "(tracing 1.5 s against 1.0 s for the 7B; the test suite 8:39 against 4:58): there the 7B took 16 to 24 s "
+    "end to end with every chunk traced and every count searched, here 26 to 44 s so (44 s at half its peak on "
+    "the day of this run), and 17.7 to 24.8 s now, with the same plans and bounds.",
     "",
     "These rows and the table above price ops on the H100 profile measured on an H200 (`gpu_measured.md`: "
     "bfloat16 products at 7.5e14 FLOP/s, each op the longer of its 8 us launch and its work, 0.7 ms per "
@@ -213,7 +216,7 @@ def main() -> None:
         "token chunks as the plan chooses), wall time from the model to the plan: each count's step traced and "
         "solved, the blocks' frontiers solved once for all counts. The bound is over every count, a count not "
         "solved bounded by its step's cost (where that alone is more than the plan) or by its chain's "
-        "composition (where no time was left for it).",
+        "composition (where no time was left for it, or where that bound is above the plan found).",
         "",
         *_table(columns, ends),
         "",

@@ -101,15 +101,14 @@ def _place(sizes: np.ndarray, first: np.ndarray, end: np.ndarray, order: np.ndar
     for i in order.tolist():
         others = np.nonzero(placed & (first < end[i]) & (end > first[i]))[0]
         others = others[np.argsort(offsets[others], kind="stable")]
-        size, top, best = int(sizes[i]), 0, None
-        for j in others.tolist():
-            gap = int(offsets[j]) - top
-            if gap >= size and (best is None or gap < best[1]):
-                best = (top, gap)
-                if not tightest:
-                    break
-            top = max(top, int(offsets[j] + sizes[j]))
-        offsets[i] = top if best is None else best[0]
+        ends = offsets[others] + sizes[others]
+        below = np.maximum.accumulate(np.concatenate(([0], ends)))  # the top of what lies below each, and of all
+        gaps = offsets[others] - below[:-1]
+        fits = np.flatnonzero(gaps >= sizes[i])
+        if not len(fits):
+            offsets[i] = below[-1]
+        else:
+            offsets[i] = below[fits[np.argmin(gaps[fits])] if tightest else fits[0]]
         placed[i] = True
     return offsets
 
