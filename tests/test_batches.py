@@ -68,6 +68,66 @@ def test_a_dict_batch_with_labels_plans_the_models_own_loss() -> None:
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
 
 
+class NanoGPT(nn.Module):
+    """A language model computing its loss in its forward from `targets`, returning
+    `logits, loss` as nanoGPT does; with `aux`, an auxiliary loss computed apart from the
+    logits instead (as a mixture of experts' router loss is returned beside its output)."""
+
+    def __init__(self, aux: bool = False) -> None:
+        super().__init__()
+        self.aux = aux
+        self.embed = nn.Embedding(512, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                    for _ in range(4))
+        self.head = nn.Linear(64, 512, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x)
+        if self.aux:
+            return logits, x.square().mean()
+        loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def test_logits_and_a_loss_computed_from_them_plan_the_models_own_loss() -> None:
+    """nanoGPT's `logits, loss = model(idx, targets)` was priced with a cross-entropy assumed
+    over the logits, its own loss left out of the backward: its plan now prices the step
+    its users run, `loss.backward()`, as a loss_fn reading it would, and runs as priced."""
+    torch.manual_seed(0)
+    model = NanoGPT()
+    idx, targets = torch.randint(0, 512, (8, 128)), torch.randint(0, 512, (8, 128))
+    targets[:, :3] = -1
+    plan = optremat.plan(model, (idx, targets), 0.6, time_limit=5, deterministic=True)
+    given = optremat.plan(model, (idx, targets), plan.budget_bytes, loss_fn=lambda out: out[1], time_limit=5,
+                          deterministic=True)
+    assert "the model's own" in plan.summary()
+    assert plan.graph.fingerprint == given.graph.fingerprint and plan.graph.total_cost == given.graph.total_cost
+    assert plan.regions and plan.predicted_peak_bytes == given.predicted_peak_bytes
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(idx, targets)[1], params)
+    optremat.apply(model, plan)
+
+    def step() -> tuple:
+        logits, loss = model(idx, targets)  # the logits held through the backward, as nanoGPT's loop holds them
+        return torch.autograd.grad(loss, params)
+
+    for got, wanted in zip(step(), want):
+        torch.testing.assert_close(got, wanted, rtol=0, atol=0)
+    measured = measure_peak(step, resident=[params, list(model.buffers()), [idx, targets]]).peak_bytes
+    assert measured <= 1.02 * plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+
+
+def test_a_scalar_output_computed_apart_from_the_rest_is_not_taken_for_the_loss() -> None:
+    torch.manual_seed(0)
+    plan = optremat.plan(NanoGPT(aux=True), (torch.randint(0, 512, (8, 128)),), 0.8, time_limit=5,
+                         deterministic=True)
+    assert "not given: priced as a cross-entropy" in plan.summary()
+
+
 class Masked(nn.Module):
     """A model taking a tensor positionally and a mask and a flag by keyword."""
 

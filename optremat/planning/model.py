@@ -51,7 +51,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
     module calls of the user's model under checkpoint with selective policies
     (`optremat.apply`); `loss_fn` folds the loss into what is planned; without it the
     model's own loss is planned where its output carries one (`outputs.loss`, as a
-    transformers model given `labels` returns it), else the loss is priced as a
+    transformers model given `labels` returns it, or `logits, loss` as nanoGPT's given
+    `targets`: `inputs.own_loss`), else the loss is priced as a
     cross-entropy over the output's last dimension (`extract.assumed_loss`); `summary()`
     says which. `solver` "auto" leaves the plan to
     the exact search over module regions; another of `optremat.SOLVERS` also plans on

@@ -89,7 +89,7 @@ def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[
     """Peak memory of one eager forward+backward, after a warm-up: `model` called on
     `example_inputs` as `optremat.plan` calls it (a dict as `model(**batch)`, a tuple as
     `model(*args)`), the loss `loss_fn(out)` or, without one, the loss its output carries
-    (`outputs.loss`, as a transformers model given `labels` returns it).
+    (`inputs.own_loss`: `outputs.loss`, as a transformers model given `labels` returns it).
 
     Parameters, buffers, inputs and the tensors `loss_fn` holds count as resident
     (`step_resident`); gradients (of the parameters and of the inputs that require grad)
@@ -105,7 +105,8 @@ def measure_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[
         out = model(*args, **kwargs)
         loss = loss_fn(out) if loss_fn is not None else own_loss(out)
         if loss is None:
-            raise ValueError("the model's output carries no loss (no `loss` field): pass loss_fn")
+            raise ValueError("the model's output carries no loss (no `loss` field, and no scalar of an output tuple "
+                             "computed from its other tensors): pass loss_fn")
         return torch.autograd.grad(loss, params, allow_unused=True)
 
     step()

@@ -2,7 +2,8 @@
 
 Training code holds a batch as a dict (`model(**batch)`, as transformers' Trainer,
 accelerate and Lightning call it), as positional arguments, or both; transformers models
-given `labels` return their own loss as `outputs.loss`. `call_of` reads an example batch
+given `labels` return their own loss as `outputs.loss`, nanoGPT's given `targets` as
+`logits, loss`. `call_of` reads an example batch
 as one of those calls, and `own_loss` finds the loss a model's output carries.
 """
 
@@ -90,12 +91,40 @@ def input_types(args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...]:
 
 def own_loss(out: Any) -> torch.Tensor | None:
     """The loss a model's output carries, if any: `outputs.loss` (a transformers model given
-    `labels`), a dict's "loss", or the output itself when it is one differentiable scalar."""
+    `labels`), a dict's "loss", the output itself when it is one differentiable scalar, or
+    of a tuple or list the one differentiable scalar computed from another of its tensors
+    (`logits, loss = model(idx, targets)`, as nanoGPT and minGPT return it; a scalar
+    computed apart from them, such as a router's auxiliary loss, is not the loss)."""
     found = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if found is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         found = out
-    if isinstance(found, torch.Tensor) and found.dim() == 0 and found.is_floating_point() and found.requires_grad:
+    if found is None and isinstance(out, (tuple, list)):
+        found = _computed_from_the_rest(out)
+    if _scalar(found):
         return found
+    return None
+
+
+def _scalar(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() and t.requires_grad
+
+
+def _computed_from_the_rest(out: tuple | list) -> torch.Tensor | None:
+    """The one differentiable scalar among `out`'s items whose autograd history reaches
+    another item's, or None."""
+    scalars = [t for t in out if _scalar(t)]
+    if len(scalars) != 1:
+        return None
+    others = {t.grad_fn for t in out if isinstance(t, torch.Tensor) and t is not scalars[0] and t.grad_fn is not None}
+    seen, stack = set(), [scalars[0].grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if node in others:
+            return scalars[0]
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
     return None
 
 
