@@ -70,10 +70,11 @@ def test_a_dict_batch_with_labels_plans_the_models_own_loss() -> None:
 
 class NanoGPT(nn.Module):
     """A language model computing its loss in its forward from `targets`, returning
-    `logits, loss` as nanoGPT does; with `aux`, an auxiliary loss computed apart from the
-    logits instead (as a mixture of experts' router loss is returned beside its output)."""
+    `logits, loss` as nanoGPT does; with `aux`, another scalar instead: one computed apart
+    from the logits ("router", as a mixture of experts' load-balancing loss is returned
+    beside its output) or from them by no loss function ("z-loss")."""
 
-    def __init__(self, aux: bool = False) -> None:
+    def __init__(self, aux: str | None = None) -> None:
         super().__init__()
         self.aux = aux
         self.embed = nn.Embedding(512, 64)
@@ -86,8 +87,10 @@ class NanoGPT(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         logits = self.head(x)
-        if self.aux:
+        if self.aux == "router":
             return logits, x.square().mean()
+        if self.aux == "z-loss":
+            return logits, logits.logsumexp(-1).square().mean()
         loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
@@ -121,9 +124,10 @@ def test_logits_and_a_loss_computed_from_them_plan_the_models_own_loss() -> None
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
 
 
-def test_a_scalar_output_computed_apart_from_the_rest_is_not_taken_for_the_loss() -> None:
+@pytest.mark.parametrize("aux", ["router", "z-loss"])
+def test_a_scalar_beside_the_logits_that_no_loss_function_made_from_them_is_not_taken_for_the_loss(aux: str) -> None:
     torch.manual_seed(0)
-    plan = optremat.plan(NanoGPT(aux=True), (torch.randint(0, 512, (8, 128)),), 0.8, time_limit=5,
+    plan = optremat.plan(NanoGPT(aux=aux), (torch.randint(0, 512, (8, 128)),), 0.8, time_limit=5,
                          deterministic=True)
     assert "not given: priced as a cross-entropy" in plan.summary()
 

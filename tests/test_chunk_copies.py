@@ -1,5 +1,6 @@
 """An LM head's chunk loop traced through five chunks: the step it builds is the trace of
-every chunk's, node for node, and eager loops still run every chunk."""
+every chunk's, node for node; chunks that differ, or a shortened loop that fails, are
+traced whole; eager loops, and other threads', still run every chunk."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from optremat.models import GPT
 from optremat.tracing import chunked
@@ -20,14 +22,13 @@ from optremat.tracing.extract import DefaultLoss, Traced, trace
 from optremat.tracing.lm_loss import CausalLMLoss
 from tests.test_repeat import assert_same_step
 
-transformers = pytest.importorskip("transformers")
-
 torch.set_num_threads(1)
 
 V, T, B = 96, 40, 2
 
 
 def _meta_llama(layers: int) -> tuple[nn.Module, Any, Callable]:
+    transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
                                       use_cache=False)
@@ -98,7 +99,6 @@ def test_a_chunk_loop_traced_through_five_chunks_is_its_whole_trace(name: str, c
         patch.setattr(chunked, "MIN_CHUNKS", 10 ** 9)
         whole = _traced(model, inputs, loss_fn, chunks)
     assert _ops_traced(copied) < _ops_traced(whole)
-    assert copied.graph.n == whole.graph.n
     assert_same_step(copied, whole)
 
 
@@ -108,8 +108,45 @@ def test_fewer_chunks_than_copying_pays_for_are_traced_whole() -> None:
     assert _ops_traced(traced) == int(np.sum(np.array(traced.graph.kind) == "op"))
 
 
+def _traced_whole(traced: Traced) -> bool:
+    return _ops_traced(traced) == int(np.sum(np.array(traced.graph.kind) == "op"))
+
+
+def test_chunks_that_differ_or_a_shortened_loop_that_fails_are_traced_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs, loss_fn = _gpt()
+    with monkeypatch.context() as patch:
+        patch.setattr(chunked, "MIN_CHUNKS", 10 ** 9)
+        whole = _traced(model, inputs, loss_fn, 12)
+    chunk = chunked._chunk
+    calls = []
+
+    def fourth_differs(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(1)
+        return chunk(hidden.exp().log() if len(calls) % 12 == 4 else hidden, *args)  # the fourth of every loop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(chunked, "_chunk", fourth_differs)
+        differing = _traced(model, inputs, loss_fn, 12)
+        patch.setattr(chunked, "MIN_CHUNKS", 10 ** 9)
+        want = _traced(model, inputs, loss_fn, 12)
+    assert _traced_whole(differing)
+    assert_same_step(differing, want)
+    def failing(count: int, tensor: torch.Tensor) -> Any:
+        if chunked._shortening(tensor):
+            raise RuntimeError("a loop that another PyTorch changed")
+        return iter(range(count))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(chunked, "chunk_indices", failing)
+        failing_trace = _traced(model, inputs, loss_fn, 12)
+    assert _traced_whole(failing_trace)
+    assert_same_step(failing_trace, whole)
+
+
 @pytest.mark.parametrize("kernel", ["torch", "ours"])
 def test_loops_run_every_chunk_outside_a_trace_while_one_shortens_them(kernel: str) -> None:
+    """Eager loops on the tracing thread, and loops on fake tensors on another thread,
+    run every chunk and mark none."""
     torch.manual_seed(0)
     hidden = torch.randn(60, 16, requires_grad=True)
     weight = torch.randn(V, 16, requires_grad=True)
@@ -117,20 +154,26 @@ def test_loops_run_every_chunk_outside_a_trace_while_one_shortens_them(kernel: s
     expected = F.cross_entropy(hidden @ weight.t(), labels, reduction="sum")
     want = torch.autograd.grad(expected, [hidden, weight])
 
-    def chunked_loss() -> torch.Tensor:
+    def chunked_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if kernel == "torch":
             options = nn.LinearCrossEntropyOptions(batch_chunk_size=4, chunking_method=None)
-            return F.linear_cross_entropy(hidden, weight, labels, reduction="sum", options=options)
-        return chunked.ChunkedCrossEntropy.apply(hidden, weight, None, labels, 4, -100, 0.0, None,
-                                                 torch.tensor(1.0))
+            return F.linear_cross_entropy(h, w, y, reduction="sum", options=options)
+        return chunked.ChunkedCrossEntropy.apply(h, w, None, y, 4, -100, 0.0, None, torch.tensor(1.0))
 
-    results: list[Any] = []
-    other = threading.Thread(target=lambda: results.append(chunked_loss()))
-    with loops_shortened(lambda chunk: None):
-        loss = chunked_loss()
+    def on_fake_tensors() -> None:
+        mode = FakeTensorMode()
+        fakes = [mode.from_tensor(t) for t in (hidden.detach(), weight.detach(), labels)]
+        with mode:
+            elsewhere.append(chunked_loss(fakes[0].requires_grad_(), fakes[1].requires_grad_(), fakes[2]))
+
+    marks: list[int | None] = []
+    elsewhere: list[torch.Tensor] = []
+    other = threading.Thread(target=on_fake_tensors)
+    with loops_shortened(marks.append):
+        loss = chunked_loss(hidden, weight, labels)
         other.start()
         other.join()
-    for found in (loss, results[0]):
-        torch.testing.assert_close(found, expected)
-        for got, wanted in zip(torch.autograd.grad(found, [hidden, weight]), want):
-            torch.testing.assert_close(got, wanted)
+    assert marks == [] and elsewhere[0].shape == ()
+    torch.testing.assert_close(loss, expected)
+    for got, wanted in zip(torch.autograd.grad(loss, [hidden, weight]), want):
+        torch.testing.assert_close(got, wanted)

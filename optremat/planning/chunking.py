@@ -71,15 +71,16 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     plan for one. Counts are solved from the cheapest step up, each given an equal share
     of the seconds left (a search ending early leaves its time to the next, one running
     over takes it from them), or with `deterministic` an equal share of `time_limit` (a
-    deterministic time); once a plan is found, a count is not solved where no time is
-    left for it, where its step alone costs more than that plan, or where `bound_of(step)`
-    (an overhead of that step found without searching, None where it knows none: on a
-    chain of alike blocks, the bound their composition puts on plans of regions inside
-    them, which on a Llama-7B skipped four of seven counts) is more. A count's bound is its
-    search's (for a count refused unproven, the finite bound its composition put on
-    plans of regions inside the blocks, the scope composed plans' bounds have), or where
-    that search proved none (or did not run) its step's own cost, or the larger
-    `bound_of(step)` where that was found. Ties go to fewer chunks. OPTIMAL when the plan meets the least bound of all
+    deterministic time). Once a plan is found, a count is first bounded without a search:
+    by its step's own cost, or where larger by `bound_of(step)` (an overhead found without
+    searching, None where none is known: on a chain of alike blocks, what the blocks'
+    composition bounds plans of regions inside them by). It is not searched where no time
+    is left for it or that bound is above the plan (on a Llama-7B at half its peak, four
+    of seven counts). A searched count's bound is its search's (for a count refused
+    unproven, the finite bound its composition put on plans of regions inside the
+    blocks), or where that search proved none, the bound without a search; bounds from a
+    composition cover plans of regions inside the blocks, the scope composed plans'
+    bounds have. Ties go to fewer chunks. OPTIMAL when the plan meets the least bound of all
     counts (a count no plan fits counts only when its search proved it).
     `report(overhead, bound)`, if given, is called after each count is solved, once a
     plan fits, with the cheapest plan so far and the least bound over every count, both
@@ -95,25 +96,23 @@ def solve_chunked(whole: S, map_for: Callable[[int], S], tried: Sequence[int | N
     for i, k in enumerate(order):
         cheapest = min((f[1] for f in found.values()), default=math.inf)
         share = time_limit / len(tried) if deterministic else (deadline - time.perf_counter()) / (len(order) - i)
-        if scale[k] - 1 > cheapest + ROUNDING:
-            found[k] = (None, math.inf, scale[k] - 1)
+        unsearched = scale[k] - 1  # no plan of the step costs less than the step
+        if math.isfinite(cheapest) and unsearched <= cheapest + ROUNDING and bound_of is not None:
+            known = bound_of(maps[k])
+            unsearched = unsearched if known is None else max(scale[k] * (1 + known) - 1, unsearched)
+        if math.isfinite(cheapest) and (share <= 0 or unsearched > cheapest + ROUNDING):
+            found[k] = (None, math.inf, unsearched)
             continue
-        if math.isfinite(cheapest):
-            known = None if bound_of is None else bound_of(maps[k])
-            bound = scale[k] - 1 if known is None else max(scale[k] * (1 + known) - 1, scale[k] - 1)
-            if share <= 0 or bound > cheapest + ROUNDING:
-                found[k] = (None, math.inf, bound)
-                continue
         try:
             plan = solve(maps[k], max(share, time_limit / len(tried) / 4))
         except InfeasibleBudget as error:
             refusals.append(error)
             scoped = error.bound is not None and math.isfinite(error.bound)
             found[k] = (None, math.inf, math.inf if error.impossible else
-                        max(scale[k] * (1 + error.bound) - 1, scale[k] - 1) if scoped else scale[k] - 1)
+                        max(scale[k] * (1 + error.bound) - 1, unsearched) if scoped else unsearched)
         else:
-            bound = scale[k] - 1 if plan.lower_bound is None else (1 + plan.lower_bound) * scale[k] - 1
-            found[k] = (plan, (1 + plan.predicted_overhead) * scale[k] - 1, bound)
+            proven = unsearched if plan.lower_bound is None else (1 + plan.lower_bound) * scale[k] - 1
+            found[k] = (plan, (1 + plan.predicted_overhead) * scale[k] - 1, proven)
         best = min(f[1] for f in found.values())
         if report is not None and math.isfinite(best):
             report(best, min(found[j][2] if j in found else scale[j] - 1 for j in tried))

@@ -129,11 +129,11 @@ def solve_native(rmap: RegionMap, budget_bytes: int, *, solver: str, time_limit:
 
 def composed_bound(rmap: RegionMap, budget_bytes: int, *, time_limit: float, workers: int, seed: int,
                    deterministic: bool, memo: FrontierMemo | None = None) -> float | None:
-    """A bound on the overhead of any plan of `rmap`'s step under `budget_bytes`, with no
+    """A bound on the overhead of plans of `rmap`'s step under `budget_bytes`, with no
     search for a plan: inf under the step's `peak_floor` (no plan fits), else where the
     step has a chain of SEEDED_BLOCKS blocks the bound its composition puts on plans of
-    regions inside them (`chain_bound`: with their frontiers in `memo`, one simulation);
-    None where neither says anything."""
+    regions inside them, and only those (`chain_bound`: with their frontiers in `memo`,
+    one simulation); None where neither says anything."""
     if budget_bytes < peak_floor(rmap.graph):
         return math.inf
     chain = chain_of(rmap)

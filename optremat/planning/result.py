@@ -540,8 +540,8 @@ def loss_note(loss_fn: Callable | None, source: str = "assumed", head_chunks: in
     if source == "own":
         chunked = (f"; its LM head and loss run in {head_chunks} token chunks, so its outputs.logits is None"
                    if head_chunks is not None else "")
-        return (f"the model's own (outputs.loss, or the scalar its output tuple computes from another of its "
-                f"tensors: computed by the model from its inputs' labels){chunked}{held}")
+        return (f"the model's own (outputs.loss, or the scalar a loss function made from another tensor of its "
+                f"output tuple: computed by the model from its inputs' labels or targets){chunked}{held}")
     return ("not given: priced as a cross-entropy over the last dimension of the largest output after the "
             "model (an output of 3+ dimensions as a causal LM's: shifted one position, flattened and cast to "
             f"float32, each a copy){held}; pass loss_fn to price another")

@@ -1,4 +1,4 @@
-"""An LM head's chunk loop traced through four chunks, the rest copied.
+"""An LM head's chunk loop traced through five chunks, the rest copied.
 
 A chunked head's loop (`tracing.chunked`) runs the same ops on every chunk but the last,
 which may be shorter. Traced on fake tensors, each op costs about a millisecond, so
@@ -32,7 +32,7 @@ def chunks_expanded(traced: Traced, marks: Sequence[int | None]) -> Traced:
         return traced
     count = kept[-1] + 1
     if kept != sorted({i % count for i in KEPT_CHUNKS}):
-        raise NotAlike("more than one chunk loop, or one not shortened")
+        raise NotAlike("more than one chunk loop")
     spans = _spans(marks, kept)[1:]
     layout = Layout(forward=spans, backward=(NO_SPAN,) * len(spans), places=((),) * len(spans))
     if signature(traced, layout, 1, None) != signature(traced, layout, 2, None):
@@ -40,7 +40,7 @@ def chunks_expanded(traced: Traced, marks: Sequence[int | None]) -> Traced:
     copies = Copies(traced, layout, None, count - 1)
     return replace(traced, graph=copies.graph(), grad_of=copies.column(traced.grad_of),
                    gradient_nodes=tuple(copies.at[(v, None)] for v in traced.gradient_nodes),
-                   calls=tuple(traced.calls[v] for v, _ in copies.order),
+                   calls=tuple(copies.calls(traced.calls[v], j) for v, j in copies.order),
                    random=tuple(traced.random[v] for v, _ in copies.order))
 
 

@@ -16,8 +16,8 @@ the loss's own), so neither recomputes a logit:
   the PyTorch version lacks the implementation a trace records (`TORCH_CHUNKED`). Its
   ops trace as they are.
 
-Both loops run every chunk alike but the last, so a trace runs only four of them
-(`loops_shortened`) and copies the third for the others (`tracing.chunk_copies`): a
+Both loops run every chunk alike but the last, so a trace runs only five of them
+(`loops_shortened`) and copies the fourth for the others (`tracing.chunk_copies`): a
 Llama-7B's 128-chunk loop took 6 s of tracing, 36 ops a chunk.
 """
 
@@ -32,10 +32,13 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 try:
-    from torch.nn.modules.linear_cross_entropy import _ChunkContext
     from torch.nn.modules.linear_cross_entropy import _linear_cross_entropy_batch_chunked_accumulator as _accumulate
 except ImportError:  # another PyTorch: the plain loss runs in our chunks too
-    _ChunkContext = _accumulate = None
+    _accumulate = None
+try:
+    from torch.nn.modules.linear_cross_entropy import _ChunkContext
+except ImportError:  # another PyTorch: its loop is traced whole
+    _ChunkContext = None
 
 TORCH_CHUNKED = _accumulate is not None and hasattr(torch.nn, "LinearCrossEntropyOptions")
 """Whether PyTorch's chunked linear_cross_entropy can run the plain loss here and be
@@ -69,21 +72,24 @@ MIN_CHUNKS = 8
 _SHORT = threading.local()
 """While a trace on this thread shortens chunk loops: `mark`, called with each chunk's
 index as it starts and with None after the loop."""
-_INSTALLED = threading.Lock()
+_INSTALLING = threading.Lock()
+SHORTENED_TORCH = "2.13."
+"""The PyTorch whose chunk loop `_shortened_chunks` repeats; under another, its loop is
+traced whole."""
 
 
 @contextmanager
 def loops_shortened(mark: Callable[[int | None], None]) -> Iterator[None]:
     """While it lasts, chunk loops on fake tensors on this thread run only the chunks
     `KEPT_CHUNKS` (all, where there are fewer than `MIN_CHUNKS`), calling `mark(i)` as
-    chunk i starts and `mark(None)` after the loop: a trace then copies the third chunk's
+    chunk i starts and `mark(None)` after the loop: a trace then copies the fourth chunk's
     ops for the chunks left out. Eager loops, and other threads', run every chunk."""
     _install()
-    _SHORT.mark = mark
+    outer, _SHORT.mark = getattr(_SHORT, "mark", None), mark
     try:
         yield
     finally:
-        _SHORT.mark = None
+        _SHORT.mark = outer
 
 
 def chunk_indices(count: int, tensor: torch.Tensor) -> Iterator[int]:
@@ -112,6 +118,7 @@ def _shortening(tensor: torch.Tensor) -> bool:
 
 
 def _shortened_chunks(self: Any) -> Iterator[Any]:
+    """PyTorch 2.13's `_ChunkContext.chunks` over the chunks `chunk_indices` runs."""
     rows = self.logits_buf.shape[0]
     for i in chunk_indices(-(-self.num_batches // rows), self.input):
         start = i * rows
@@ -128,9 +135,11 @@ _TORCH_CHUNKS = None if _ChunkContext is None else _ChunkContext.chunks
 
 
 def _install() -> None:
-    """Make PyTorch's chunk loop ask whether a trace shortens it (once)."""
-    with _INSTALLED:
-        if _ChunkContext is not None and _ChunkContext.chunks is _TORCH_CHUNKS:
+    """Make PyTorch's chunk loop ask whether a trace shortens it (once, on the PyTorch
+    whose loop `_shortened_chunks` repeats)."""
+    with _INSTALLING:
+        if _ChunkContext is not None and _ChunkContext.chunks is _TORCH_CHUNKS \
+                and torch.__version__.startswith(SHORTENED_TORCH):
             _ChunkContext.chunks = _chunks
 
 

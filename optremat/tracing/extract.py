@@ -48,7 +48,7 @@ from optremat.tracing.inputs import Call, call_of, differentiated, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
 from optremat.tracing.lm_loss import standing_in
 from optremat.tracing.onednn import size_rnn_workspaces
-from optremat.tracing.repeat import NotAlike, expanded, hooks_kept, repeated_blocks, shortened
+from optremat.tracing.repeat import expanded, hooks_kept, repeated_blocks, shortened
 from optremat.tracing.traced import Traced
 
 
@@ -103,7 +103,7 @@ def trace(
 ) -> Traced:
     """Like `extract`, also returning the fx graph traced. With the roofline, a model of
     many alike blocks is traced through four of them and the rest copied
-    (`tracing.repeat`), and an LM head's chunk loop through four chunks
+    (`tracing.repeat`), and an LM head's chunk loop through five chunks
     (`tracing.chunk_copies`), where the trace shows they repeat; else, and with timed
     costs (each op run), the whole step is traced. The step traced is the training step whatever
     mode the caller runs in: gradients on, inference mode and anomaly detection off (under
@@ -119,7 +119,7 @@ def trace(
                 copied = None
             if copied is not None:
                 return copied
-            return _through_four_chunks(model, example_inputs, loss_fn, device)
+            return _through_five_chunks(model, example_inputs, loss_fn, device)
         return _trace(model, example_inputs, loss_fn, cost_model, device)
 
 
@@ -133,23 +133,30 @@ def _through_four_blocks(model: nn.Module, example_inputs: Sequence[Any] | Any,
         return None
     short = shortened(model, blocks[0])
     with hooks_kept(model):
-        traced = _through_four_chunks(short, example_inputs, loss_fn, device)
+        traced = _through_five_chunks(short, example_inputs, loss_fn, device)
     return expanded(traced, short, model, *blocks)
 
 
-def _through_four_chunks(model: nn.Module, example_inputs: Sequence[Any] | Any,
+def _through_five_chunks(model: nn.Module, example_inputs: Sequence[Any] | Any,
                          loss_fn: Callable[[Any], torch.Tensor] | None, device: str | DeviceProfile) -> Traced:
-    """The step, priced by the roofline, with an LM head's chunk loop traced through four
+    """The step, priced by the roofline, with an LM head's chunk loop traced through five
     chunks and the rest copied (`tracing.chunk_copies`); traced whole where the chunks
-    traced do not repeat."""
-    with loops_shortened(lambda chunk: _set_custom(chunk=chunk)):
-        traced = _trace(model, example_inputs, loss_fn, "roofline", device)
-    by_name = {node.name: node for node in traced.module.graph.nodes}
-    marks = [by_name[name].meta.get("custom", {}).get(f"{_MARK}_chunk") for name in traced.graph.names]
+    traced do not repeat, or the shortened loop fails."""
     try:
+        with loops_shortened(_mark_chunk):
+            traced = _trace(model, example_inputs, loss_fn, "roofline", device)
+        by_name = {node.name: node for node in traced.module.graph.nodes}
+        marks = [by_name[name].meta.get("custom", {}).get(f"{_MARK}_chunk") for name in traced.graph.names]
         return chunks_expanded(traced, marks)
-    except NotAlike:
+    except Exception:  # noqa: BLE001 - NotAlike, or a loop that runs only whole: its whole trace decides
         return _trace(model, example_inputs, loss_fn, "roofline", device)
+
+
+def _mark_chunk(chunk: int | None) -> None:
+    """Mark the ops a trace records next as chunk `chunk`'s (None: outside the loop); a
+    forward run outside a trace (for its outputs' shapes) marks nothing."""
+    if fx_traceback.has_preserved_node_meta():
+        _set_custom(chunk=chunk)
 
 
 def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -988,7 +995,8 @@ def accumulated_in_place(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.
     adds into the first gradient to arrive where nothing else holds it (a dense tensor of
     its own, not a view, which keeps its base, and read by nothing else), else makes a new
     one (never into the second, a dense one: `InputBuffer::accumulate`); a trace on fake
-    tensors, a tensor subclass, always records a new one, the first its first argument. So too for a backward formula's `scatter_add_` into zeros of its own (gather's),
+    tensors, a tensor subclass, always records a new one, the first its first argument.
+    So too for a backward formula's `scatter_add_` into zeros of its own (gather's),
     which the trace records out of place."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     kept = set(tree_leaves(output.args[0]))

@@ -92,9 +92,10 @@ def input_types(args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...]:
 def own_loss(out: Any) -> torch.Tensor | None:
     """The loss a model's output carries, if any: `outputs.loss` (a transformers model given
     `labels`), a dict's "loss", the output itself when it is one differentiable scalar, or
-    of a tuple or list the one differentiable scalar computed from another of its tensors
-    (`logits, loss = model(idx, targets)`, as nanoGPT and minGPT return it; a scalar
-    computed apart from them, such as a router's auxiliary loss, is not the loss)."""
+    of a tuple or list the one differentiable scalar a loss function computed from another
+    of its tensors (`logits, loss = model(idx, targets)`, as nanoGPT and minGPT return it).
+    An output of two scalars (`logits, loss, aux_loss`) carries none: which sum trains is
+    the caller's to say (`loss_fn`)."""
     found = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if found is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         found = out
@@ -110,22 +111,30 @@ def _scalar(t: Any) -> bool:
 
 
 def _computed_from_the_rest(out: tuple | list) -> torch.Tensor | None:
-    """The one differentiable scalar among `out`'s items whose autograd history reaches
-    another item's, or None."""
+    """The one differentiable scalar among `out`'s items computed by a loss function
+    (`_LOSS_NODES`) from another item, or None: a z-loss or an entropy over the logits,
+    or a router's auxiliary loss, is not the loss."""
     scalars = [t for t in out if _scalar(t)]
     if len(scalars) != 1:
         return None
     others = {t.grad_fn for t in out if isinstance(t, torch.Tensor) and t is not scalars[0] and t.grad_fn is not None}
-    seen, stack = set(), [scalars[0].grad_fn]
+    seen, stack = set(), [(scalars[0].grad_fn, False)]
     while stack:
-        node = stack.pop()
-        if node is None or node in seen:
+        node, through_loss = stack.pop()
+        if node is None or (node, through_loss) in seen:
             continue
-        if node in others:
+        if through_loss and node in others:
             return scalars[0]
-        seen.add(node)
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        seen.add((node, through_loss))
+        through_loss = through_loss or type(node).__name__.startswith(_LOSS_NODES)
+        stack.extend((next_node, through_loss) for next_node, _ in node.next_functions)
     return None
+
+
+_LOSS_NODES = ("NllLoss", "MseLoss", "SmoothL1Loss", "HuberLoss", "BinaryCrossEntropy", "KlDiv", "SoftMarginLoss",
+               "MultiMarginLoss", "MultilabelMarginLoss", "CtcLoss")
+"""How the autograd nodes of PyTorch's loss functions are named (cross-entropy's is
+NllLoss's; a loss written out of sums and means has none)."""
 
 
 def batch_on(batch: Any, device: torch.device) -> Any:

@@ -16,7 +16,8 @@ from optremat.core.graph import Graph
 @dataclass(frozen=True)
 class Traced:
     """A traced training step: the fx graph traced (for a model of many alike blocks,
-    the step through four of them, `tracing.repeat`) and the Graph of the whole step.
+    the step through four of them, `tracing.repeat`; for an LM head's chunk loop, the
+    loop through five chunks, `tracing.chunk_copies`) and the Graph of the whole step.
 
     `grad_of` gives, per Graph node, the forward node whose autograd node ran it in the backward
     (-1 for forward nodes and for backward ops autograd runs between nodes, such as the
