@@ -264,17 +264,42 @@ def test_a_hook_put_on_the_head_after_the_plan_runs_with_the_head_whole(chunked)
 def test_head_chunks_that_cannot_run_are_refused_before_tracing() -> None:
     model, batch = built("llama")
 
+    class Transposed(transformers.LlamaForCausalLM):
+        """Its loss over the logits laid out [batch, vocabulary, tokens], not one row per position."""
+
+        def forward(self, input_ids, labels, **kwargs):
+            logits = super().forward(input_ids, **kwargs).logits.float()
+            return {"loss": nn.functional.cross_entropy(logits.transpose(1, 2)[..., :-1], labels[:, 1:])}
+
+    transposed = Transposed(model.config)
+    cases = [(dict(head_chunks=4, loss_fn=lambda out: out.loss), "loss_fn replaces it"),
+             (dict(head_chunks=0), "chunks must be"),
+             (dict(head_chunks=4, example_inputs={"input_ids": batch["input_ids"]}), "compute its loss"),
+             (dict(head_chunks=4, model=transposed), "runs .*Transposed.forward, and the causal LMs")]
+    for options, message in cases:
+        options = {"model": model, "example_inputs": batch, "budget": 1.0, **options}
+        with pytest.raises(ValueError, match=message):
+            optremat.plan(options.pop("model"), options.pop("example_inputs"), options.pop("budget"), **options)
+    assert optremat.plan(transposed, batch, 1.0, time_limit=5).chunking is None
+
+
+def test_a_subclass_with_a_forward_of_its_own_runs_the_head_deferred_in_chunks() -> None:
+    """A causal LM whose forward is not one read (`causal_lm.TEMPLATES`), here a subclass
+    calling its base class's, still runs its own loss in chunks: its head's logits are
+    deferred until the loss function's cross-entropy reads them (`deferred_head`)."""
+    model, batch = built("llama")
+
     class Custom(transformers.LlamaForCausalLM):
         def forward(self, *args, **kwargs):
             return super().forward(*args, **kwargs)
 
     custom = Custom(model.config)
-    cases = [(dict(head_chunks=4, loss_fn=lambda out: out.loss), "loss_fn replaces it"),
-             (dict(head_chunks=0), "chunks must be"),
-             (dict(head_chunks=4, example_inputs={"input_ids": batch["input_ids"]}), "compute its loss"),
-             (dict(head_chunks=4, model=custom), "runs .*Custom.forward, and the causal LMs")]
-    for options, message in cases:
-        options = {"model": model, "example_inputs": batch, "budget": 1.0, **options}
-        with pytest.raises(ValueError, match=message):
-            optremat.plan(options.pop("model"), options.pop("example_inputs"), options.pop("budget"), **options)
-    assert optremat.plan(custom, batch, 1.0, time_limit=5).chunking is None
+    custom.load_state_dict(model.state_dict())
+    want = step(custom, batch)
+    plan = optremat.plan(custom, batch, 1.0, head_chunks=4, time_limit=5)
+    assert plan.chunking.chunks == 4
+    optremat.apply(custom, plan)
+    assert_same(step(custom, batch), want)
+    assert custom(**batch).logits is None
+    measured = measure_step(custom, batch).peak_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes

@@ -110,7 +110,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | fl
 
     def traced_map(chunks: int | None) -> Any:
         """The step traced with the head whole (None) or in `chunks` token chunks."""
-        with running(model, chunks if own is not None else None):
+        with running(model, None if own is None else chunks, None if own is None else own[0]):
             traced = trace(model, example_inputs, (loss_fn or default) if lm is None else lm.with_chunks(chunks),
                            cost_model=cost_model, device=device_name)
         return traced, region_map(traced, model, device_name, parallel)

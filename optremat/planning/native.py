@@ -332,7 +332,7 @@ def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions
     chunks = None if own is None else head_chunks
     device_name = device or model_device(model)
     default = DefaultLoss()
-    with running(model, chunks):
+    with running(model, chunks, None if own is None else own[0]):
         traced = trace(model, example_inputs, loss_fn or default, cost_model=cost_model, device=device_name)
     rmap = region_map(traced, model, device_name, parallel)
     missing = [f"{r.path} (call {r.call})" for r in regions if (r.path, r.call) not in rmap.members]
@@ -385,7 +385,7 @@ def reprice(plan: Plan, model: nn.Module, example_inputs: Sequence[Any] | Any,
         loss_fn = loss_fn.with_chunks(chunks)
     priced = price_regions(model, example_inputs, plan.regions, loss_fn=loss_fn, parallel=plan.parallel,
                            cost_model=plan.cost_model, device=plan.device,
-                           head_chunks=None if loss_fn is not None else own_chunks(model, chunks))
+                           head_chunks=None if loss_fn is not None else own_chunks(model, chunks, None if plan.chunking is None else plan.chunking.head))
     return replace(plan, graph=priced.graph, schedule=priced.schedule, budget_bytes=priced.budget_bytes,
                    predicted_peak_bytes=priced.predicted_peak_bytes, baseline_peak_bytes=priced.baseline_peak_bytes,
                    predicted_overhead=priced.predicted_overhead, solver_overhead=priced.solver_overhead,

@@ -124,14 +124,15 @@ def apply(model: nn.Module, plan: Plan, *, replan: Replanning | None = None) -> 
                          "run inside torch.compile; compile the model with optremat.compile_backend instead")
     head = _head(model, plan)
     try:
-        own = causal_lm.own_chunks(model, None if plan.chunking is None else plan.chunking.chunks)
+        own = (None if plan.chunking is None
+               else causal_lm.own_chunks(model, plan.chunking.chunks, plan.chunking.head))
     except ValueError as error:
         raise native.PlanMismatch(f"the plan runs the model's own LM head and loss in chunks, and {error}: plan "
                                   "again") from None
     installed = native.install(model, plan.regions, training=plan.training, fingerprint=plan.model_fingerprint,
                                mutated_buffers=plan.mutated_buffers,
                                choose=None if replan is None else replan.chooser(model, plan, own),
-                               forward=None if own is None else causal_lm.HeadInChunks(own))
+                               forward=None if own is None else causal_lm.chunked_forward(model, plan.chunking.head, own))
     lm_loss.uninstall(list(model.parameters()))
     if head is not None:
         lm_loss.install(head, plan.chunking.chunks)

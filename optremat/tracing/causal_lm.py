@@ -35,8 +35,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from optremat.tracing.extract import tracing
-from optremat.tracing.inputs import call_of
+from optremat.tracing.deferred_head import WIDENING, chunked_by, deferrable, deferring, returned
+from optremat.tracing.extract import fake_output, tracing
+from optremat.tracing.inputs import call_of, own_loss
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss, check_chunks
 from optremat.tracing.repeat import MODULE_HOOKS
 
@@ -125,9 +126,11 @@ def own_head(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], tor
     """The head of a causal LM whose own loss a call on `example_inputs` (as
     `optremat.plan` reads them) computes, when `head_chunks` ("auto", or a count of
     token chunks) asks to run it in chunks and the call can: the name `named_parameters`
-    gives its weight, and the positions its loss covers. None where the step runs as the
-    model runs it: `head_chunks` None, a `loss_fn` given, or, for "auto", a model or call
-    whose own loss cannot run with the head in chunks (a ValueError for a count)."""
+    gives its weight, and the positions its loss covers. The loss is a transformers
+    causal LM's (a form in `TEMPLATES`), or else the cross-entropy the model's forward
+    takes over an `nn.Linear` head's logits (`deferred_head`). None where the step runs
+    as the model runs it: `head_chunks` None, a `loss_fn` given, or, for "auto", a model
+    or call whose own loss cannot run with the head in chunks (a ValueError for a count)."""
     check_chunks(head_chunks)
     if loss_fn is not None and head_chunks not in (None, AUTO):
         raise ValueError(f"head_chunks={head_chunks!r} sets how the model's own loss runs, and loss_fn replaces it: "
@@ -143,28 +146,90 @@ def own_head(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], tor
         call = _loss_call(model, args, kwargs)
         reason = None if call is not None else ("the inputs do not make the model compute its loss over every "
                                                 "position (that takes labels, and no logits_to_keep)")
+    elif _form(_defining(type(model))) is None:
+        found = _deferred_head(model, example_inputs)
+        if found is not None:
+            return found
+        reason = (f"{reason}; nor does its forward return, as its loss, F.cross_entropy over the logits of an "
+                  f"nn.Linear head at least {WIDENING} times wider than its input, flattened to one row per "
+                  "position in float32 (deferred_head)")
     if reason is not None:
         if head_chunks == AUTO:
             return None
         raise ValueError(f"head_chunks={head_chunks!r} cannot run: {reason}; leave head_chunks out to run the "
                          "model's own forward")
     weight = model.get_output_embeddings().weight
-    return next(name for name, p in model.named_parameters() if p is weight), call[2].numel()
+    return _weight_name(model, weight), call[2].numel()
 
 
-def own_chunks(model: nn.Module, chunks: int | None) -> int | None:
+def _weight_name(model: nn.Module, weight: torch.Tensor) -> str:
+    return next(name for name, p in model.named_parameters() if p is weight)
+
+
+def _deferred_head(model: nn.Module, example_inputs: Any) -> tuple[str, int] | None:
+    """The head whose logits the model's own loss is a chunked cross-entropy of, its
+    forward run on fake tensors with every `deferrable` head deferred: its weight's
+    name and the positions its loss covers; None for a model with no such loss, or
+    whose forward cannot run so (its trace says why)."""
+    heads = [m for m in model.modules() if deferrable(m)]
+    if not heads:
+        return None
+    try:
+        with deferring(heads, 1) as losses:
+            out = fake_output(model, example_inputs)
+        loss = own_loss(returned(out, losses))
+    except Exception:  # noqa: BLE001 - a forward a trace cannot take is reported by the trace
+        return None
+    found = chunked_by(loss)
+    return None if found is None else (_weight_name(model, found[0].weight), found[1])
+
+
+def chunked_forward(model: nn.Module, head: str, chunks: int) -> "HeadInChunks | DeferredHead":
+    """What runs `model`'s forward with its own LM head and loss in `chunks` token chunks,
+    the head's weight named `head`: `HeadInChunks` for a forward of a form in
+    `TEMPLATES`, `DeferredHead` otherwise."""
+    if _runs_its_class_forward(model) and _form(_defining(type(model))) is not None:
+        return HeadInChunks(chunks)
+    return DeferredHead(head, chunks)
+
+
+def own_chunks(model: nn.Module, chunks: int | None, head: str | None = None) -> int | None:
     """`chunks`, the token chunks a plan runs a causal LM's head in (`Plan.chunking`),
     where they are for `model`'s own head and loss: where `model` runs its class's
-    forward and that has a form of `TEMPLATES`, since the other way to chunk a head, a
-    `CausalLMLoss`, reads hidden states, which those forwards never return. None
+    forward and that has a form of `TEMPLATES`, or, the head's weight named `head`,
+    where that weight is a `deferrable` head's (the other way to chunk a head, a
+    `CausalLMLoss`, reads hidden states, which neither kind of forward returns). None
     otherwise; a ValueError saying why where they are and the model's own loss cannot
     run with its head in chunks now (hooks on its head, another loss function)."""
-    if chunks is None or not (_runs_its_class_forward(model) and _form(_defining(type(model))) is not None):
+    if chunks is None:
         return None
+    if not (_runs_its_class_forward(model) and _form(_defining(type(model))) is not None):
+        return chunks if head is not None and DeferredHead(head, chunks).heads(model) else None
     reason = unsupported(model)
     if reason is not None:
         raise ValueError(reason)
     return chunks
+
+
+@dataclass(frozen=True)
+class DeferredHead:
+    """A model's forward with the `deferrable` heads holding the weight named `head`
+    deferred (`deferred_head`): a cross-entropy the forward takes over their logits runs
+    in `chunks` token chunks, and those logits come back as None. Called as
+    `DeferredHead(head, k)(model, forward, *args, **kwargs)`, `forward` being the model's own."""
+
+    head: str
+    chunks: int
+
+    def heads(self, model: nn.Module) -> list[nn.Module]:
+        """The modules deferred."""
+        weight = dict(model.named_parameters()).get(self.head)
+        return [m for m in model.modules() if deferrable(m) and m.weight is weight]
+
+    def __call__(self, model: nn.Module, forward: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        with deferring(self.heads(model), self.chunks) as losses:
+            out = forward(*args, **kwargs)
+        return returned(out, losses)
 
 
 @dataclass(frozen=True)
@@ -227,14 +292,15 @@ def _router_loss(model: nn.Module, outputs: Any, arguments: dict[str, Any]) -> t
 
 
 @contextmanager
-def running(model: nn.Module, chunks: int | None) -> Iterator[None]:
+def running(model: nn.Module, chunks: int | None, head: str | None = None) -> Iterator[None]:
     """While it lasts (a trace), `model(...)` runs its head and loss in `chunks` token
-    chunks (`HeadInChunks`); None leaves the model as it is."""
+    chunks (`chunked_forward`, the head's weight named `head`); None leaves the model as
+    it is."""
     if chunks is None:
         yield
         return
     before = model.__dict__.get("forward")
-    model.forward = functools.partial(HeadInChunks(chunks), model, model.forward)
+    model.forward = functools.partial(chunked_forward(model, head, chunks), model, model.forward)
     try:
         yield
     finally:

@@ -493,6 +493,14 @@ def _output_like(model: nn.Module, params: dict, buffers: dict, inputs: Call) ->
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
 
 
+def fake_output(model: nn.Module, example_inputs: Sequence[Any] | Any) -> Any:
+    """The model's output on fake tensors for `example_inputs` (as `trace` reads them),
+    the model's Python state and the host's random state left as they were."""
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    with module_state.kept(model), host_random_kept(), _grouped_mm_in_any_float():
+        return _fake_output(model, params, buffers, call_of(example_inputs))
+
+
 def _fake_output(model: nn.Module, params: dict, buffers: dict, inputs: Call) -> Any:
     """The model's output on fake tensors: its structure, shapes and which leaves take a gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode

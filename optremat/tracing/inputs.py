@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
+from optremat.tracing.deferred_head import chunked_by
+
 LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
 """What an example input may hold: tensors, and constants the trace keeps as they are."""
 
@@ -93,7 +95,9 @@ def own_loss(out: Any) -> torch.Tensor | None:
     """The loss a model's output carries, if any: `outputs.loss` (a transformers model given
     `labels`), a dict's "loss", the output itself when it is one differentiable scalar, or
     of a tuple or list the one differentiable scalar a loss function computed from another
-    of its tensors (`logits, loss = model(idx, targets)`, as nanoGPT and minGPT return it).
+    of its tensors (`logits, loss = model(idx, targets)`, as nanoGPT and minGPT return it),
+    or the one built on a loss a deferred head's cross-entropy computed in chunks
+    (`deferred_head`: the logits it read are None, or read again).
     An output of two scalars (`logits, loss, aux_loss`) carries none: which sum trains is
     the caller's to say (`loss_fn`)."""
     found = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
@@ -101,6 +105,9 @@ def own_loss(out: Any) -> torch.Tensor | None:
         found = out
     if found is None and isinstance(out, (tuple, list)):
         found = _computed_from_the_rest(out)
+        scalars = [t for t in out if _scalar(t)]
+        if found is None and len(scalars) == 1 and chunked_by(scalars[0]) is not None:
+            found = scalars[0]  # a head deferred (deferred_head) took the loss over its logits in chunks
     if _scalar(found):
         return found
     return None
