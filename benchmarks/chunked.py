@@ -2,7 +2,7 @@
 checkpointed module calls against per-block checkpointing, with and without PyTorch's
 own chunked `linear_cross_entropy`.
 
-    python -m benchmarks.chunked [--model gpt-mini|gpt-small|llama] [--rounds 9] [--limit 20]
+    python -m benchmarks.chunked [--model gpt-mini|gpt-small|nanogpt|llama|mixtral] [--rounds 9] [--limit 20]
                                  [--cost-model roofline|profile]
 
 The model is gpt-mini's shape (`optremat.models.GPT`: vocabulary 8192, 256 tokens, width
@@ -55,7 +55,7 @@ from benchmarks.report import write_rows
 from optremat.bench import checkpointed_blocks, hf_checkpointing, torch_budget_backend, under
 from optremat.compiler.backend import Backend
 from optremat.core.graph import format_bytes
-from optremat.models import HiddenGPT
+from optremat.models import HiddenGPT, LossGPT
 from optremat.runtime.measure import measure_peak, resident_bytes
 from optremat.tracing.costs import COST_MODELS
 
@@ -108,6 +108,29 @@ def torch_chunked(head: nn.Module, labels: torch.Tensor) -> Callable[[torch.Tens
 def gpt_mini(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
     """gpt-mini returning hidden states (`gpt`)."""
     return gpt(SHAPE, BATCH, rounds, limit, torch_budget=TORCH_BUDGET, cost_model=cost_model, inner="inductor")
+
+
+def nanogpt(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
+    """gpt-mini's shape taking its own loss in its forward (`LossGPT`), as nanoGPT does."""
+    torch.manual_seed(0)
+    model = LossGPT(**SHAPE)
+    idx, targets = (torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq"])) for _ in range(2))
+    params = list(model.parameters())
+
+    def step() -> tuple:
+        logits, loss = model(idx, targets)  # both held through the backward, as nanoGPT's loop holds them
+        return torch.autograd.grad(loss, params)
+
+    def per_block() -> tuple:
+        with checkpointed_blocks(model, [f"blocks.{i}" for i in range(SHAPE["layers"])]):
+            return step()
+
+    forward = torch.compile(lambda: model(idx, targets)[1], backend=torch_budget_backend(TORCH_BUDGET))
+    peers = {"per-block checkpoint": ("whole", per_block),
+             f"PyTorch activation_memory_budget {TORCH_BUDGET:g} (torch.compile)": (
+                 "whole", lambda: torch.autograd.grad(forward(), params))}
+    return compare(model, (idx, targets), step, step, peers, dict(head_chunks=None, cost_model=cost_model),
+                   dict(cost_model=cost_model), rounds, limit)
 
 
 def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
@@ -299,6 +322,15 @@ def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, 
     return floors, [[fields.get(column, "-") for column in HEADER] for _, fields in methods.values()]
 
 
+NANOGPT_PAGE = """The model is gpt-mini's shape (`optremat.models.LossGPT`: vocabulary 8192, 256
+tokens, width 256, 4 blocks, batch 4) taking its own loss in its forward, as nanoGPT does
+(`logits, loss = model(idx, targets)`, both held through the backward); it is planned
+with no loss_fn, and where the plan runs the head in chunks its logits are deferred until
+the forward's `F.cross_entropy` reads them (`optremat.tracing.deferred_head`). The rows of
+gpt-mini's page (`python -m benchmarks.chunked`) but for the ones needing the model
+rewritten (`F.linear_cross_entropy`, `compile_backend` with the loss apart)."""
+"""The nanoGPT page's description, after its command line."""
+
 GPT_SMALL_PAGE = """The model is gpt-small's shape (`optremat.models.GPT` with GPT-2 small's shape:
 vocabulary 50257, 1024 tokens, width 768, 12 blocks, 12 heads, batch 4) returning its
 final hidden states; the loss is `optremat.CausalLMLoss` over its tied head. The rows of
@@ -317,6 +349,7 @@ def gpt_small(rounds: int, limit: float, cost_model: str) -> tuple[list[str], li
 
 MODELS = {"gpt-mini": (gpt_mini, "chunked.md", "", None),
           "gpt-small": (gpt_small, "chunked_gpt_small.md", ": gpt-small", GPT_SMALL_PAGE),
+          "nanogpt": (nanogpt, "chunked_nanogpt.md", ": a loss taken in the model's forward", NANOGPT_PAGE),
           "llama": (llama, "chunked_llama.md", ": a transformers Llama's own loss", LLAMA_PAGE),
           "mixtral": (mixtral, "chunked_mixtral.md", ": a transformers Mixtral's own loss, its router's included",
                       MIXTRAL_PAGE)}

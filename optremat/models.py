@@ -118,6 +118,15 @@ class HiddenGPT(GPT):
         return self.hidden_states(idx)
 
 
+class LossGPT(GPT):
+    """`GPT` taking its own loss in its forward from `targets`, as nanoGPT does:
+    `logits, loss = model(idx, targets)`, positions targeted -1 left out."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(self.hidden_states(idx))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()

@@ -82,7 +82,7 @@ def _step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[t
     model.zero_grad()
     _, loss = model(idx, targets)
     loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def _close(a: tuple, b: tuple) -> None:
@@ -156,15 +156,104 @@ def test_logits_read_again_in_the_forward_are_computed_and_priced_so() -> None:
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes
 
 
+class Rewriting(NanoGPT):
+    """`NanoGPT` whose forward, after the plan was made, does something to the logits
+    before its loss reads them (`mode`), as the plan never saw."""
+
+    mode = "plain"
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        flat = logits.float().view(-1, VOCAB)
+        if self.mode == "padding masked":
+            logits[..., VOCAB - 24:] = float("-inf")
+        elif self.mode == "scaled in place":
+            logits.mul_(0.5)
+        elif self.mode == "gradient hook":
+            logits.register_hook(lambda grad: grad.clamp(-1e-5, 1e-5))
+        elif self.mode == "gradient kept":
+            logits.retain_grad()
+            self.kept = logits
+        return logits, F.cross_entropy(flat, targets.view(-1), ignore_index=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["padding masked", "scaled in place", "gradient hook", "gradient kept"])
+def test_logits_written_or_hooked_before_the_loss_reads_them_give_the_models_loss(mode: str,
+                                                                                  dtype: torch.dtype) -> None:
+    """What the forward does to the logits before its cross-entropy (written in place, a
+    gradient hook, their gradient kept) computes them there, and the loss reads them so,
+    as the model does; a float32 copy made before the write (bfloat16) is of the logits
+    before it, as the model's was."""
+    torch.manual_seed(0)
+    model = Rewriting().to(dtype)
+    idx, targets = _batch()
+    plan = optremat.plan(model, (idx, targets), 1.0, head_chunks=2, time_limit=5)
+    assert plan.chunking.chunks == 2
+    unplanned = Rewriting().to(dtype)
+    unplanned.load_state_dict(model.state_dict())
+    unplanned.mode = model.mode = mode
+    expected = _step(unplanned, idx, targets)
+    optremat.apply(model, plan)
+    _close(_step(model, idx, targets), expected)
+    if mode == "gradient kept":
+        torch.testing.assert_close(model.kept.grad, unplanned.kept.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_heads_input_written_after_the_head_read_it_is_refused() -> None:
+    """With a frozen head the model's forward may write the head's input after the head
+    read it; the deferred logits would be of the values written, so the loss is not
+    chunked at plan time, and a step doing it only once planned says what to do."""
+    model = Frozen()
+    idx, targets = _batch()
+    expected = _step(model, idx, targets)
+    with pytest.raises(ValueError, match="head_chunks=2 cannot run"):
+        optremat.plan(model, (idx, targets), 1.0, head_chunks=2, time_limit=5)
+    model.write = False
+    optremat.apply(model, optremat.plan(model, (idx, targets), 1.0, head_chunks=2, time_limit=5))
+    model.write = True
+    with pytest.raises(RuntimeError, match="written in place after the head read it"):
+        _step(model, idx, targets)
+    model.write = False
+    optremat.remove(model)
+    model.write = True
+    _close(_step(model, idx, targets), expected)
+
+
+class Frozen(NanoGPT):
+    """`NanoGPT` with a frozen, untied head whose input its forward halves in place after the head read it."""
+
+    write = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().clone(), requires_grad=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+        x = self.ln_f(self.wte(idx) + self.wpe(torch.arange(idx.shape[1])))
+        logits = self.lm_head(x)
+        if self.write:
+            x.mul_(0.5)
+        return logits, F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1) + x.mean()
+
+
 def test_a_hook_on_the_head_sees_its_logits() -> None:
+    """A forward hook on the head reading its output computes the logits there: a plan
+    made with it runs the head whole, and a hook added after a chunked plan sees the
+    logits the model computes."""
     model = NanoGPT()
     idx, targets = _batch()
     seen = []
-    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.detach().sum()))
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.detach().sum()))
     expected = _step(model, idx, targets)
     unplanned = seen[-1]
-    plan = optremat.plan(model, (idx, targets), 1.0, head_chunks=2, time_limit=5)
-    optremat.apply(model, plan)
+    assert optremat.plan(model, (idx, targets), 1.0, time_limit=5).chunking is None
+    hook.remove()
+    optremat.apply(model, optremat.plan(model, (idx, targets), 1.0, head_chunks=2, time_limit=5))
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.detach().sum()))
     seen.clear()
     _close(_step(model, idx, targets), expected)
     assert len(seen) == 1 and torch.equal(seen[0], unplanned)
@@ -182,6 +271,19 @@ def test_a_planned_model_with_its_head_in_chunks_saves_and_loads() -> None:
     _close(_step(loaded, idx, targets), expected)
     assert loaded(idx, targets)[0] is None
     assert loaded.state_dict().keys() == NanoGPT().state_dict().keys()
+
+
+def test_a_head_no_longer_a_plain_linear_runs_whole_with_a_warning() -> None:
+    """A head FSDP2 sharded as a unit of its own is of a subclass it made: the step runs
+    the model's head and loss whole, as unplanned, and says the memory is not the plan's."""
+    model = NanoGPT()
+    idx, targets = _batch()
+    expected = _step(model, idx, targets)
+    optremat.apply(model, optremat.plan(model, (idx, targets), 1.0, head_chunks=2, time_limit=5))
+    model.lm_head.__class__ = type("FSDPLinear", (nn.Linear,), {})
+    with pytest.warns(UserWarning, match="run whole, as unplanned"):
+        _close(_step(model, idx, targets), expected)
+        assert model(idx, targets)[0] is not None
 
 
 def test_a_classifiers_head_is_not_deferred() -> None:

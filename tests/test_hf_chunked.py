@@ -83,7 +83,7 @@ def test_the_plan_runs_the_models_own_head_and_loss_in_chunks(family: str, two_c
     want = step(model, batch)
     found = optremat.plan(model, batch, BUDGET, time_limit=5)
     assert found.chunking.chunks == 4 and found.predicted_peak_bytes <= found.budget_bytes
-    assert "in 4 token chunks, so its outputs.logits is None" in found.summary()
+    assert "in 4 token chunks, so the logits it returns are None" in found.summary()
     optremat.apply(model, found)
     try:
         assert model(**batch).logits is None
@@ -230,7 +230,7 @@ def test_a_chunked_plan_is_priced_at_another_shape_with_its_head_in_chunks(chunk
     longer = {key: torch.cat([t, t], dim=1) for key, t in batch.items()}
     again = optremat.reprice(found, model, longer)
     whole = optremat.price_regions(model, longer, found.regions)
-    assert again.chunking == found.chunking and "outputs.logits is None" in again.summary()
+    assert again.chunking == found.chunking and "the logits it returns are None" in again.summary()
     assert again.predicted_peak_bytes < whole.predicted_peak_bytes - B * 2 * T * V * 4
 
 

@@ -538,8 +538,9 @@ def loss_note(loss_fn: Callable | None, source: str = "assumed", head_chunks: in
     if loss_fn is not None:
         return f"priced as part of the step (loss_fn){held}"
     if source == "own":
-        chunked = (f"; its LM head and loss run in {head_chunks} token chunks, so its outputs.logits is None"
-                   if head_chunks is not None else "")
+        chunked = "" if head_chunks is None else (
+            f"; its LM head and loss run in {head_chunks} token chunks, so the logits it returns are None "
+            "(outputs.logits, or an output tuple's) unless its forward reads them otherwise too")
         return (f"the model's own (outputs.loss, or the scalar a loss function made from another tensor of its "
                 f"output tuple: computed by the model from its inputs' labels or targets){chunked}{held}")
     return ("not given: priced as a cross-entropy over the last dimension of the largest output after the "

@@ -152,7 +152,7 @@ def own_head(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], tor
             return found
         reason = (f"{reason}; nor does its forward return, as its loss, F.cross_entropy over the logits of an "
                   f"nn.Linear head at least {WIDENING} times wider than its input, flattened to one row per "
-                  "position in float32 (deferred_head)")
+                  "position in float32 and read by nothing else before (deferred_head)")
     if reason is not None:
         if head_chunks == AUTO:
             return None
@@ -227,7 +227,12 @@ class DeferredHead:
         return [m for m in model.modules() if deferrable(m) and m.weight is weight]
 
     def __call__(self, model: nn.Module, forward: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        with deferring(self.heads(model), self.chunks) as losses:
+        heads = self.heads(model)
+        if not heads:
+            warnings.warn(f"optremat: no plain nn.Linear holds {self.head} now (FSDP2 sharded the head as a unit of "
+                          "its own, or it was replaced): the head and its loss run whole, as unplanned (the step's "
+                          "memory is not the plan's)", stacklevel=3)
+        with deferring(heads, self.chunks) as losses:
             out = forward(*args, **kwargs)
         return returned(out, losses)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -85,7 +86,14 @@ class DeferredLogits(torch.Tensor):
     """The logits `head` would compute from `hidden`, reshaped and cast by `steps`
     (each a function and its further arguments), not computed yet; `root` is the head's
     own output they were made from (itself for that one), `chunks` the token chunks a
-    cross-entropy over them runs in."""
+    cross-entropy over them runs in.
+
+    Once anything but a reshape, a cast or the chunked cross-entropy reads any of a
+    root's logits (an in-place write, a gradient hook), the root's logits are computed
+    (`value`), and with them, at that moment, every reshape and cast made of them so far,
+    as the model made them then: reshapes alias the computed logits, as views do, and a
+    cast to another dtype is a copy of them before the read's write. From then on they
+    are plain tensors to every op, the cross-entropy too."""
 
     hidden: torch.Tensor
     head: nn.Linear
@@ -94,6 +102,8 @@ class DeferredLogits(torch.Tensor):
     root: "DeferredLogits"
     chunked: bool
     value: torch.Tensor | None
+    version: int
+    made: list[weakref.ref]
 
     @staticmethod
     def __new__(cls, hidden: torch.Tensor, head: nn.Linear, chunks: int,
@@ -106,8 +116,10 @@ class DeferredLogits(torch.Tensor):
         made = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=hidden.device,
                                                    requires_grad=hidden.requires_grad or head.weight.requires_grad)
         made.hidden, made.head, made.chunks, made.steps = hidden, head, chunks, steps
-        made.chunked, made.value = False, None
+        made.chunked, made.value, made.version, made.made = False, None, hidden._version, []
         made.root = made if root is None else root
+        if root is not None:
+            root.made.append(weakref.ref(made))
         return made
 
     def __repr__(self) -> str:
@@ -121,7 +133,7 @@ class DeferredLogits(torch.Tensor):
         if isinstance(first, DeferredLogits) and func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if isinstance(first, DeferredLogits) and (
+        if isinstance(first, DeferredLogits) and first.root.value is None and (
                 func in _RESHAPES or (func in _CASTS and _casts_to_float32(func, args[1:], kwargs))):
             return DeferredLogits(first.hidden, first.head, first.chunks, (*first.steps, (func, args[1:], kwargs)),
                                   first.root)
@@ -138,14 +150,34 @@ class DeferredLogits(torch.Tensor):
 
     def computed(self) -> torch.Tensor:
         """The logits themselves: the head's own forward over the hidden states (once, as
-        the model computes them once), reshaped and cast."""
+        the model computes them once), reshaped and cast as the model did."""
         root = self.root
         if root.value is None:
-            root.value = type(self.head).forward(self.head, self.hidden)
-        out = root.value
+            root.unchanged_input()
+            root.value = type(root.head).forward(root.head, root.hidden)
+            for ref in root.made:
+                made = ref()
+                if made is not None:
+                    made.value = made.replayed()
+        if self.value is None:
+            self.value = self.replayed()
+        return self.value
+
+    def replayed(self) -> torch.Tensor:
+        """The root's computed logits with this one's reshapes and casts."""
+        out = self.root.value
         for func, args, kwargs in self.steps:
             out = func(out, *args, **kwargs)
         return out
+
+    def unchanged_input(self) -> None:
+        """Refuse hidden states written in place since the head read them: the logits the
+        model computed from them are gone (and with a head that takes a gradient, the
+        model's own backward would refuse them too)."""
+        if self.hidden._version != self.version:
+            raise RuntimeError("optremat: the input of the LM head was written in place after the head read it, so "
+                               "the head's deferred logits cannot be computed as the model computed them: write a "
+                               "copy, or plan with head_chunks=None")
 
 
 def _chunked_cross_entropy(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -155,8 +187,9 @@ def _chunked_cross_entropy(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor 
     bound.apply_defaults()
     given = bound.arguments
     logits, target = given["input"], given["target"]
-    if not isinstance(logits, DeferredLogits):
+    if not isinstance(logits, DeferredLogits) or logits.root.value is not None:
         return None
+    logits.root.unchanged_input()
     hidden, head = logits.hidden, logits.head
     rows = hidden.shape[:-1].numel()
     with torch._C.DisableTorchFunctionSubclass():
