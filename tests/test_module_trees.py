@@ -257,3 +257,37 @@ def test_a_causal_lm_planned_without_a_loss_fn_fits_its_budget_under_the_usual_s
         measured = measure_step(model, (ids,), shifted).peak_bytes
         optremat.remove(model)
         assert measured <= 1.02 * plan.budget_bytes, (budget, measured, plan.summary())
+
+
+class KeyedBlocks(nn.Module):
+    """Two plain blocks, then blocks in an nn.ModuleDict under `keys`, run in turn with residuals."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__()
+        self.keys = keys
+        self.first = nn.ModuleList(mlp(32) for _ in range(2))
+        self.blocks = nn.ModuleDict({key: mlp(32) for key in keys})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in [*self.first, *(self.blocks[key] for key in self.keys)]:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("keys", [["layer[1]", "layer[2]"], ["blk[0:2]", "blk[2:4]"]])
+def test_modules_named_with_brackets_are_never_checkpointed_and_a_refusal_says_why(keys: list[str]) -> None:
+    """Plans write runs of a Sequential's children as `path[a:b]`; a module whose name
+    holds brackets (an nn.ModuleDict key PyTorch accepts) is left out of plans, which
+    checkpoint the rest and train as unplanned, and a budget only it could meet is
+    refused naming it."""
+    torch.manual_seed(0)
+    model = KeyedBlocks(keys)
+    x = torch.randn(512, 32)
+    want = torch.autograd.grad(square_mean(model(x)), list(model.parameters()))
+    with pytest.raises(optremat.InfeasibleBudget, match="a module named with brackets") as refused:
+        optremat.plan(model, x, 0.3, loss_fn=square_mean, time_limit=5)
+    plan = optremat.plan(model, x, refused.value.smallest, loss_fn=square_mean, time_limit=5, deterministic=True)
+    assert plan.regions and all("[" not in region.path for region in plan.regions)
+    optremat.apply(model, plan)
+    for got, wanted in zip(torch.autograd.grad(square_mean(model(x)), list(model.parameters())), want):
+        torch.testing.assert_close(got, wanted, rtol=0, atol=0)

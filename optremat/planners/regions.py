@@ -23,6 +23,7 @@ No torch here: the torch facts (call stacks, random ops) arrive as plain data.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,12 +80,16 @@ def span_path(path: str, start: int, stop: int) -> str:
 
 
 def parse_span(path: str) -> tuple[str, int, int] | None:
-    """(Sequential path, start, stop) of a span region's path, None for a module call."""
-    if not path.endswith("]"):
-        return None
-    base, _, span = path[:-1].rpartition("[")
-    start, stop = span.split(":")
-    return base, int(start), int(stop)
+    """(Sequential path, start, stop) of a span region's path, None for a module call (a
+    module whose name holds brackets is never a region, so a region path with them is a span)."""
+    match = re.fullmatch(r"(.*)\[([0-9]+):([0-9]+)\]", path)
+    return None if match is None else (match.group(1), int(match.group(2)), int(match.group(3)))
+
+
+def bracketed(path: str) -> bool:
+    """Whether a module path holds brackets (an nn.ModuleDict key such as "layer[1]"),
+    which region paths keep for spans: such a module, and what it holds, is never a region."""
+    return "[" in path or "]" in path
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,7 +150,7 @@ class RegionMap:
         """The nodes of the buffers `call`'s modules write (those under its path, or under
         its span's children): the runtime copies them as the call starts and reruns it on
         copies."""
-        span = parse_span(call[0])
+        span = None if call in self._module_calls else parse_span(call[0])
         roots = [call[0]] if span is None else list(self.sequences[span[0]][span[1]:span[2]])
         prefixes = tuple(f"{root}." if root else "" for root in roots)
         return sorted({b for name, b in self.buffers.items() if name.startswith(prefixes)})
@@ -167,7 +172,7 @@ class RegionMap:
         node runs in."""
         found = []
         for call, _, child in self._sequential_steps(stack):
-            if call in self._in_order:
+            if call in self._in_order and not bracketed(call[0]):
                 found += [(span_path(call[0], a, b), call[1])
                           for tiling in _tilings(len(self.sequences[call[0]])).values()
                           for a, b in tiling if a <= child < b]
@@ -221,10 +226,9 @@ class RegionMap:
                 found.append(calls)
         by_length: dict[tuple[int, int], list[Call]] = {}
         for call in self.members:
-            span = parse_span(call[0])
-            if span is None or not self._runnable(call):
+            if call in self._module_calls or not self._runnable(call):
                 continue
-            path, a, b = span
+            path, a, b = parse_span(call[0])
             for length, tiling in _tilings(len(self.sequences[path])).items():
                 if (a, b) in tiling:
                     by_length.setdefault((length, self._depth[(path, call[1])]), []).append(call)
@@ -240,8 +244,19 @@ class RegionMap:
         return self.unit is None or len(set(self.unit[self.members[call]].tolist())) == 1
 
     def _runnable(self, call: Call) -> bool:
-        """Whether checkpoint can run `call`: within one FSDP unit, and rerun as it ran."""
-        return self._within_a_unit(call) and call not in self._never_rerun
+        """Whether checkpoint can run `call`: within one FSDP unit, rerun as it ran, and
+        named so that a plan can say which (`bracketed`)."""
+        return (self._within_a_unit(call) and call not in self._never_rerun
+                and call not in self.bracketed_calls)
+
+    @cached_property
+    def _module_calls(self) -> frozenset[Call]:
+        return frozenset(call for stack in self.calls for call in stack)
+
+    @cached_property
+    def bracketed_calls(self) -> list[Call]:
+        """The module calls no plan checkpoints for their names (`bracketed`)."""
+        return sorted(call for call in self._module_calls if bracketed(call[0]))
 
     @cached_property
     def last_write(self) -> dict[int, int]:

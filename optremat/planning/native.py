@@ -223,8 +223,12 @@ def _never_checkpointed(rmap: RegionMap) -> str:
                      "which a rerun would do again, or reads a tensor's value as a number, or Python state the step "
                      "changes after it, or runs a torch.autograd.Function keeping tensors on its ctx (not "
                      "save_for_backward), which checkpoint cannot drop")
+    if rmap.bracketed_calls:
+        notes.append(f"no plan checkpoints {_named(rmap.bracketed_calls)}: a module named with brackets (an "
+                     "nn.ModuleDict key such as 'layer[1]'), which plans keep for runs of a Sequential's children; "
+                     "rename it to checkpoint it")
     because = {call: never_rerun_because(rmap, call) for call in rmap.members
-               if parse_span(call[0]) is None and call not in rmap.not_rerun}
+               if parse_span(call[0]) is None and call not in rmap.not_rerun and call not in rmap.bracketed_calls}
     ruled = sorted(call for call, reason in because.items() if reason is not None)
     if ruled:
         path, k = ruled[0]
