@@ -22,6 +22,7 @@ from optremat.planners.solve import SOLVERS, solve
 
 _ON_FIRST_USE = {
     "ExtractionError": "optremat.tracing.extract", "extract": "optremat.tracing.extract",
+    "FakeTensorLeft": "optremat.tracing.leaks",
     "Inputs": "optremat.tracing.inputs", "CausalLMLoss": "optremat.tracing.lm_loss",
     "Plan": "optremat.planning.result", "PlanFileError": "optremat.planning.result", "plan": "optremat.planning.model",
     "price_regions": "optremat.planning.native", "reprice": "optremat.planning.native",
@@ -54,6 +55,7 @@ __all__ = [
     "DeviceProfile",
     "ExtractionError",
     "FSDP",
+    "FakeTensorLeft",
     "Graph",
     "GraphError",
     "InfeasibleBudget",

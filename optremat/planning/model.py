@@ -32,9 +32,11 @@ from optremat.tracing.causal_lm import own_head, running
 from optremat.tracing.costs import DeviceProfile, model_device
 from optremat.tracing.extract import DefaultLoss, trace
 from optremat.tracing.fingerprint import model_fingerprint, package_version
+from optremat.tracing.leaks import swept
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
 
+@swept
 def plan(model: nn.Module, example_inputs: Sequence[Any] | Any, budget: int | float | str, *,
          solver: str = "auto", time_limit: float = 30.0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
          cost_model: str = "roofline", device: str | DeviceProfile | None = None, workers: int = 0, seed: int = 0,

@@ -36,6 +36,7 @@ from optremat.tracing.causal_lm import own_chunks, own_head, running
 from optremat.tracing.costs import device_profile, model_device
 from optremat.tracing.extract import DefaultLoss, Traced, trace
 from optremat.tracing.fingerprint import model_fingerprint
+from optremat.tracing.leaks import swept
 from optremat.tracing.lm_loss import AUTO, CausalLMLoss
 
 COMPOSED_BLOCKS = 16
@@ -321,6 +322,7 @@ def runs_its_children(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and getattr(forward, "__func__", None) is nn.Sequential.forward
 
 
+@swept
 def price_regions(model: nn.Module, example_inputs: Sequence[Any] | Any, regions: Sequence[Region], *,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None, cost_model: str = "roofline",
                   device: str | None = None, parallel: Parallel | None = None,

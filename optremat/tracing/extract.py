@@ -31,6 +31,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils.checkpoint
 from torch._dynamo.eval_frame import OptimizedModule
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
@@ -46,6 +47,7 @@ from optremat.tracing.costs import (COST_MODELS, DeviceProfile, UnboundedSize, c
 from optremat.tracing.eager_branches import EagerScalarReads, eager_mask_decisions, writes_in_place
 from optremat.tracing.inputs import Call, call_of, differentiated, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
+from optremat.tracing.leaks import swept, traced_in
 from optremat.tracing.lm_loss import standing_in
 from optremat.tracing.onednn import size_rnn_workspaces
 from optremat.tracing.repeat import expanded, hooks_kept, repeated_blocks, shortened
@@ -77,6 +79,7 @@ def _tracing() -> Iterator[None]:
         _TRACING.depth -= 1
 
 
+@swept
 def extract(
     model: nn.Module,
     example_inputs: Sequence[Any] | Any,
@@ -236,6 +239,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, stack[-1][0])) from error
         drew = not same_host_random(host_random, host_random_states())
+    traced_in(next((v.fake_mode for v in (n.meta.get("val") for n in gm.graph.nodes) if isinstance(v, FakeTensor)),
+                   None))
     _refuse_mixed_products(model, gm)
     if drew:
         named = sorted({path for path, _ in host_drawing}) or [f"{type(model).__name__}.forward"]
@@ -454,8 +459,6 @@ def _set_by_forward(model: nn.Module) -> list[torch.Tensor]:
     through the backward, as the module holds them until its next call: a plan
     checkpointing the call that reads one was priced as if it freed it, and the step
     measured 1.3 times its prediction."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return [value for module in model.modules() for value in module.__dict__.values() if isinstance(value, FakeTensor)]
 
 
@@ -506,6 +509,7 @@ def _fake_output(model: nn.Module, params: dict, buffers: dict, inputs: Call) ->
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    traced_in(mode)
     with mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return _call(model, {k: fake(v) for k, v in params.items()}, {k: fake(v) for k, v in buffers.items()},
