@@ -85,10 +85,10 @@ def _step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[t
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _close(a: tuple, b: tuple) -> None:
-    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
+def _close(a: tuple, b: tuple, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(a[0], b[0], rtol=rtol, atol=atol)
     for name in a[1]:
-        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=rtol, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("loss", ["plain", "sum", "smoothing", "bias"])
@@ -177,17 +177,36 @@ class Rewriting(NanoGPT):
         elif self.mode == "gradient kept":
             logits.retain_grad()
             self.kept = logits
-        return logits, F.cross_entropy(flat, targets.view(-1), ignore_index=-1)
+        loss = F.cross_entropy(flat, targets.view(-1), ignore_index=-1)
+        if self.mode == "read without gradients, then a z-loss":
+            with torch.no_grad():
+                self.accuracy = (logits.argmax(-1) == targets).float().mean()
+            loss = loss + 1e-2 * logits.float().logsumexp(-1).square().mean()
+        elif self.mode == "an autograd.Function over them":
+            loss = loss + _Scaled.apply(logits.float()).mean()
+        return logits, loss
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 0.5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["padding masked", "scaled in place", "gradient hook", "gradient kept"])
+@pytest.mark.parametrize("mode", ["padding masked", "scaled in place", "gradient hook", "gradient kept",
+                                  "read without gradients, then a z-loss", "an autograd.Function over them"])
 def test_logits_written_or_hooked_before_the_loss_reads_them_give_the_models_loss(mode: str,
                                                                                   dtype: torch.dtype) -> None:
     """What the forward does to the logits before its cross-entropy (written in place, a
     gradient hook, their gradient kept) computes them there, and the loss reads them so,
     as the model does; a float32 copy made before the write (bfloat16) is of the logits
-    before it, as the model's was."""
+    before it, as the model's was. Read after it, under no_grad and then with gradients,
+    or by an autograd.Function, they are the head's logits with the head's gradient."""
     torch.manual_seed(0)
     model = Rewriting().to(dtype)
     idx, targets = _batch()
@@ -198,7 +217,8 @@ def test_logits_written_or_hooked_before_the_loss_reads_them_give_the_models_los
     unplanned.mode = model.mode = mode
     expected = _step(unplanned, idx, targets)
     optremat.apply(model, plan)
-    _close(_step(model, idx, targets), expected)
+    # in bfloat16 a chunked loss's gradient and a whole read's add up in another order
+    _close(_step(model, idx, targets), expected, *((1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 1e-4)))
     if mode == "gradient kept":
         torch.testing.assert_close(model.kept.grad, unplanned.kept.grad, rtol=1e-5, atol=1e-7)
 

@@ -184,6 +184,12 @@ def _deferred_head(model: nn.Module, example_inputs: Any) -> tuple[str, int] | N
     return None if found is None else (_weight_name(model, found[0].weight), found[1])
 
 
+def _global_backward_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_backward_hooks or module._global_backward_pre_hooks)
+
+
 def chunked_forward(model: nn.Module, head: str, chunks: int) -> "HeadInChunks | DeferredHead":
     """What runs `model`'s forward with its own LM head and loss in `chunks` token chunks,
     the head's weight named `head`: `HeadInChunks` for a forward of a form in
@@ -232,6 +238,11 @@ class DeferredHead:
             warnings.warn(f"optremat: no plain nn.Linear holds {self.head} now (FSDP2 sharded the head as a unit of "
                           "its own, or it was replaced): the head and its loss run whole, as unplanned (the step's "
                           "memory is not the plan's)", stacklevel=3)
+        elif any(m._backward_hooks or m._backward_pre_hooks for m in heads) or _global_backward_hooks():
+            warnings.warn(f"optremat: a backward hook is on the LM head holding {self.head}, which sees its logits' "
+                          "gradient: the head and its loss run whole, as unplanned (the step's memory is not the "
+                          "plan's)", stacklevel=3)
+            heads = []
         with deferring(heads, self.chunks) as losses:
             out = forward(*args, **kwargs)
         return returned(out, losses)

@@ -51,13 +51,23 @@ chunks -> that head, and the positions it covers."""
 
 _MADE = threading.local()
 """The losses deferred heads' cross-entropies computed in the forward running on this
-thread (`deferring`), with their heads and positions."""
+thread (`deferring`), with their heads and positions, and the roots made there."""
+
+_THIS = threading.local()
+"""id(head) -> the chunks a head deferred on this thread runs its loss in."""
+
+_LOCK = threading.Lock()
+_DEFERRING: dict[nn.Module, Callable[..., Any]] = {}
+"""Each head deferred on some thread -> the forward set on it."""
+_USERS: dict[nn.Module, int] = {}
+"""Each head deferred -> on how many threads and forwards at once."""
 
 
 def deferrable(module: nn.Module) -> bool:
     """Whether `module` can be deferred: a plain `nn.Linear` (no subclass, no forward of
-    its own set on it) at least `WIDENING` times wider than its input."""
-    return (type(module) is nn.Linear and "forward" not in vars(module)
+    its own set on it but a deferring one) at least `WIDENING` times wider than its input."""
+    own = vars(module).get("forward")
+    return (type(module) is nn.Linear and (own is None or own is _DEFERRING.get(module))
             and module.out_features >= WIDENING * module.in_features)
 
 
@@ -70,6 +80,8 @@ def chunked_by(t: Any) -> tuple[nn.Linear, int] | None:
 def _built_on(t: torch.Tensor, losses: list[tuple[torch.Tensor, nn.Linear, int]]) -> tuple[nn.Linear, int] | None:
     """The head and positions of the one head among `losses` whose losses `t`'s autograd graph holds."""
     nodes = {loss.grad_fn: (head, rows) for loss, head, rows in losses}
+    if t.grad_fn in nodes:  # the loss itself, as a forward mostly returns it
+        return nodes[t.grad_fn]
     reached, seen, stack = set(), set(), [t.grad_fn]
     while stack:
         node = stack.pop()
@@ -104,6 +116,7 @@ class DeferredLogits(torch.Tensor):
     value: torch.Tensor | None
     version: int
     made: list[weakref.ref]
+    closed: bool
 
     @staticmethod
     def __new__(cls, hidden: torch.Tensor, head: nn.Linear, chunks: int,
@@ -113,13 +126,16 @@ class DeferredLogits(torch.Tensor):
             like = torch.empty((*hidden.shape[:-1], head.out_features), dtype=hidden.dtype, device="meta")
             for func, args, kwargs in steps:
                 like = func(like, *args, **kwargs)
+        grad = hidden.requires_grad or any(p is not None and p.requires_grad for p in (head.weight, head.bias))
         made = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=hidden.device,
-                                                   requires_grad=hidden.requires_grad or head.weight.requires_grad)
+                                                   requires_grad=grad)
         made.hidden, made.head, made.chunks, made.steps = hidden, head, chunks, steps
-        made.chunked, made.value, made.version, made.made = False, None, hidden._version, []
+        made.chunked, made.value, made.version, made.made, made.closed = False, None, hidden._version, [], False
         made.root = made if root is None else root
         if root is not None:
             root.made.append(weakref.ref(made))
+        elif getattr(_MADE, "roots", None) is not None:
+            _MADE.roots.append(weakref.ref(made))
         return made
 
     def __repr__(self) -> str:
@@ -154,7 +170,11 @@ class DeferredLogits(torch.Tensor):
         root = self.root
         if root.value is None:
             root.unchanged_input()
-            root.value = type(root.head).forward(root.head, root.hidden)
+            if root.closed:
+                raise RuntimeError("optremat: these LM head logits were not kept: the step took its loss over them in "
+                                   "chunks and its forward returned; plan with head_chunks=None to keep them")
+            with torch.enable_grad(), torch.autocast(root.hidden.device.type, enabled=False):
+                root.value = type(root.head).forward(root.head, root.hidden)  # as the head call ran
             for ref in root.made:
                 made = ref()
                 if made is not None:
@@ -194,15 +214,16 @@ def _chunked_cross_entropy(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor 
     rows = hidden.shape[:-1].numel()
     with torch._C.DisableTorchFunctionSubclass():
         shape, dtype = logits.shape, logits.dtype
-    if (dtype != torch.float32 or shape != (rows, head.out_features) or not _plain(target)
+    if (rows == 0 or dtype != torch.float32 or shape != (rows, head.out_features) or not _plain(target)
             or target.shape != (rows,) or target.is_floating_point() or target.is_complex()
             or given["weight"] is not None or given["size_average"] is not None or given["reduce"] is not None
             or given["reduction"] not in ("mean", "sum") or type(given["ignore_index"]) is not int):
         return None
-    loss = CausalLMLoss(head, target, ignore_index=given["ignore_index"], shift=False,
-                        label_smoothing=given["label_smoothing"],
-                        num_items_in_batch=1 if given["reduction"] == "sum" else None,
-                        chunks=logits.chunks)(hidden.reshape(rows, hidden.shape[-1]))
+    with torch.autocast(hidden.device.type, enabled=False):  # the logits are the head call's, outside autocast
+        loss = CausalLMLoss(head, target, ignore_index=given["ignore_index"], shift=False,
+                            label_smoothing=given["label_smoothing"],
+                            num_items_in_batch=1 if given["reduction"] == "sum" else None,
+                            chunks=logits.chunks)(hidden.reshape(rows, hidden.shape[-1]))
     logits.root.chunked = True
     made = getattr(_MADE, "losses", None)
     if made is not None:
@@ -229,27 +250,64 @@ def _computed(x: Any) -> Any:
     return x.computed() if isinstance(x, DeferredLogits) else x
 
 
-def _deferred_forward(head: nn.Linear, chunks: int, input: Any) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
-    if not (_plain(input) and torch.is_grad_enabled()) or torch.is_autocast_enabled(input.device.type):
+def _deferred_forward(head: nn.Linear, input: Any) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    chunks = getattr(_THIS, "heads", {}).get(id(head))
+    if (chunks is None or not (_plain(input) and torch.is_grad_enabled())
+            or torch.is_autocast_enabled(input.device.type)):
         return type(head).forward(head, input)
     return DeferredLogits(input, head, chunks)
 
 
 @contextmanager
 def deferring(heads: Sequence[nn.Linear], chunks: int) -> Iterator[list[tuple[torch.Tensor, nn.Linear, int]]]:
-    """While it lasts, each of `heads` called where gradients are on, outside autocast,
-    returns its logits deferred (`DeferredLogits`), a cross-entropy over them run in
-    `chunks` token chunks; yields the list of the losses so computed (for `returned`)."""
-    before = getattr(_MADE, "losses", None)
-    _MADE.losses = made = []
-    for head in heads:
-        head.forward = functools.partial(_deferred_forward, head, chunks)
+    """While it lasts, each of `heads` called on this thread where gradients are on,
+    outside autocast, returns its logits deferred (`DeferredLogits`), a cross-entropy
+    over them run in `chunks` token chunks; yields the list of the losses so computed
+    (for `returned`). Once it ends, logits a chunked cross-entropy alone read are closed
+    (a later read is refused), and any other not yet computed are computed."""
+    _see_through_functions()
+    before = dict(getattr(_THIS, "heads", {})), getattr(_MADE, "losses", None), getattr(_MADE, "roots", None)
+    _THIS.heads = {**before[0], **{id(head): chunks for head in heads}}
+    _MADE.losses, _MADE.roots = made, roots = [], []
+    with _LOCK:
+        for head in heads:
+            if _DEFERRING.setdefault(head, functools.partial(_deferred_forward, head)) is not vars(head).get("forward"):
+                head.forward = _DEFERRING[head]
+            _USERS[head] = _USERS.get(head, 0) + 1
     try:
         yield made
     finally:
-        _MADE.losses = before
-        for head in heads:
-            del head.forward
+        _THIS.heads, _MADE.losses, _MADE.roots = before
+        with _LOCK:
+            for head in heads:
+                _USERS[head] -= 1
+                if not _USERS[head]:
+                    del head.forward, _USERS[head], _DEFERRING[head]
+        for ref in roots:
+            root = ref()
+            if root is not None and root.value is None:
+                if root.chunked:
+                    root.closed = True
+                else:
+                    root.computed()
+
+
+def _see_through_functions() -> None:
+    """Make `torch.autograd.Function.apply` hand deferred logits over computed: it calls
+    no `__torch_function__`, and would take them for a leaf of their own, cutting the head
+    and all before it out of the backward. Done once, on first use; other calls run as
+    they did."""
+    apply = vars(torch.autograd.function.Function)["apply"].__func__
+    if getattr(apply, "_sees_deferred_logits", False):
+        return
+
+    def seeing(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, DeferredLogits) for a in tree_leaves((args, kwargs))):
+            args, kwargs = tree_map(_computed, args), tree_map(_computed, kwargs)
+        return apply(cls, *args, **kwargs)
+
+    seeing._sees_deferred_logits = True
+    torch.autograd.function.Function.apply = classmethod(functools.wraps(apply)(seeing))
 
 
 def returned(out: Any, losses: list[tuple[torch.Tensor, nn.Linear, int]]) -> Any:

@@ -31,6 +31,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils.checkpoint
 from torch._dynamo.eval_frame import OptimizedModule
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -197,6 +198,7 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         places.add(stack[-1][0] or f"{type(model).__name__}.forward")
 
     def step(params: dict, buffers: dict, inputs: Call, grad_outputs: list) -> tuple:
+        traced_in(detect_fake_mode(tree_leaves((params, buffers, inputs))))  # before the forward caches anything
         with EagerScalarReads(leaves, read):
             out, structure["reassigned"] = _call(model, params, buffers, inputs)
             attributes = _set_by_forward(model)
@@ -239,8 +241,6 @@ def _trace(model: nn.Module, example_inputs: Sequence[Any] | Any, loss_fn: Calla
         except Exception as error:  # noqa: BLE001 - rewrapped with the op and module it failed in
             raise ExtractionError(_explain_failure(model, error, stack[-1][0])) from error
         drew = not same_host_random(host_random, host_random_states())
-    traced_in(next((v.fake_mode for v in (n.meta.get("val") for n in gm.graph.nodes) if isinstance(v, FakeTensor)),
-                   None))
     _refuse_mixed_products(model, gm)
     if drew:
         named = sorted({path for path, _ in host_drawing}) or [f"{type(model).__name__}.forward"]

@@ -6,25 +6,30 @@ holds it, and every later step of the model reads it: losses and gradients come 
 fake. `module_state.kept` puts back what the model's modules and the user's globals
 reach; a cache elsewhere (a mutable default argument, a closure's dict, an `lru_cache` in
 an installed library, as transformers' `compile_compatible_method_lru_cache`) is not
-reached so. `swept` finds, once a planning call returned, every fake tensor of a trace's
-fake modes still alive, and takes it out of what holds it: an `lru_cache` is cleared, a
-plain dict (a cache) loses the entries holding it, through tuples and lists holding it;
-a fake tensor held otherwise (an object's attribute, a module's global, a closure's
-variable) cannot be taken out without losing what was there before, and is refused
-(`FakeTensorLeft`), naming what to do.
+reached so. `swept` finds, once a planning call returned or failed (its frames' names
+cleared), every fake tensor of a trace's fake modes still alive, and takes it out of what
+holds it: an `lru_cache` is cleared, a dict that is a cache (`_a_cache`) loses the
+entries holding it, through up to three tuples, lists or deques. One held otherwise (an
+object's attribute, an nn.Module's buffers, a partial's keywords, a closure's variable)
+cannot be taken out without losing what was there before: a call that returned raises
+`FakeTensorLeft`, naming what to do; one that failed warns so, its own error going on.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import threading
+import traceback
 import types
+import warnings
 import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.fx
+import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 _MODES: weakref.WeakSet[FakeTensorMode] = weakref.WeakSet()
@@ -40,6 +45,11 @@ _INTERNAL = (types.FrameType, types.TracebackType, torch.fx.Node, torch.fx.Graph
 """What holds a trace's own fake tensors (a trace still running, or an exception's frames)."""
 
 _LRU = functools._lru_cache_wrapper
+_CONTAINERS = (tuple, list, collections.deque)
+
+MOST_SWEPT = 256
+"""The most fake tensors a sweep looks at: more are a caller's traces still alive (a
+`Traced` it holds), whose tensors cannot be told from a cache's; none is swept then."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,65 +73,89 @@ def swept(function: F) -> F:
     def call(*args: Any, **kwargs: Any) -> Any:
         with _LOCK:
             _ACTIVE[0] += 1
+        failed = False
         try:
             return function(*args, **kwargs)
+        except Exception as error:
+            failed = True
+            _let_go(error)
+            raise
         finally:
-            with _LOCK:
+            with _LOCK:  # held through the sweep: a planning call starting meanwhile waits
                 _ACTIVE[0] -= 1
-                last = _ACTIVE[0] == 0
-            if last and _MODES:
-                _sweep()  # raising past a refusal too: a model left computing fake values matters more
+                if _ACTIVE[0] == 0 and _MODES:
+                    _sweep(failed)
 
     return call  # type: ignore[return-value]
 
 
-def _sweep() -> None:
+def _let_go(error: BaseException) -> None:
+    """Clear the names of the frames `error` (and what it was raised from) passed through,
+    so that the traces they held are gone: the frames and lines stay for the traceback."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _sweep(failed: bool = False) -> None:
+    """Take the fake tensors left out of caches; raise FakeTensorLeft for one that cannot
+    be, or after a `failed` call (whose own error goes on) warn."""
     gc.collect()
     fakes = [o for o in gc.get_objects() if type(o) is FakeTensor and o.fake_mode in _MODES]
-    if not fakes:
+    if not fakes or len(fakes) > MOST_SWEPT:
         return
     places = _places(fakes)
     del fakes
     left = _release(places)
     if left:
-        raise FakeTensorLeft(f"optremat: tracing left a fake tensor in {left[0]}, where the model's later steps "
-                             "would read it and compute fake losses and gradients: run the model once on a batch "
-                             "of the planned shapes before planning, so that what its code caches is real")
+        message = (f"optremat: tracing left a fake tensor in {left[0]}, where the model's later steps would read it "
+                   "and compute fake losses and gradients: run the model once on a batch of the planned shapes "
+                   "before planning, so that what its code caches is real")
+        if failed:
+            warnings.warn(message, stacklevel=4)
+        else:
+            raise FakeTensorLeft(message)
 
 
 def _places(fakes: list[FakeTensor]) -> list[tuple[Any, Any]]:
     """Where the fake tensors are kept outside a trace's own objects, as (holder, what it
-    holds: the tensor, or a tuple or list holding it): the holders of each, and of each
-    tuple or list holding one, the dicts and caches."""
-    direct = _holders(fakes)
-    found = [(holder, fake) for fake in fakes for holder in direct.get(id(fake), ())
-             if not isinstance(holder, (tuple, list))]
-    containers = list({id(h): h for hs in direct.values() for h in hs if isinstance(h, (tuple, list))}.values())
-    above = _holders(containers)
-    found += [(holder, container) for container in containers for holder in above.get(id(container), ())
-              if isinstance(holder, dict) or (type(holder) is _LRU or _lru_entry(holder))]
+    holds: the tensor, or a container holding it): what holds each, and, up to three
+    tuples, lists or deques above it, the dicts and caches holding those."""
+    found, level = [], list(fakes)
+    for depth in range(4):
+        holders = _holders(level)
+        containers = {}
+        for held in level:
+            for holder in holders.get(id(held), ()):
+                if isinstance(holder, _CONTAINERS):
+                    if depth < 3:
+                        containers[id(holder)] = holder
+                elif depth == 0 or isinstance(holder, dict) or type(holder) is _LRU or _lru_entry(holder):
+                    found.append((holder, held))
+        level = list(containers.values())
     return found
 
 
 def _holders(objects: list[Any]) -> dict[int, list[Any]]:
     """id(object) -> what holds it, but for a trace's own objects and this module's frames
-    (one pass over the heap)."""
+    (two passes over the heap)."""
     if not objects:
         return {}
     wanted = {id(o) for o in objects}
+    holders = [h for h in gc.get_referrers(*objects) if h is not objects and not isinstance(h, _INTERNAL)]
+    dicts = [h for h in holders if isinstance(h, dict)]
+    owned = {id(d) for owner in (gc.get_referrers(*dicts) if dicts else ())
+             if isinstance(owner, (torch.fx.Node, torch.fx.GraphModule)) for d in gc.get_referents(owner)}
     found: dict[int, list[Any]] = {}
-    for holder in gc.get_referrers(*objects):
-        if holder is objects or isinstance(holder, _INTERNAL) or isinstance(holder, dict) and _internal(holder):
+    for holder in holders:
+        if id(holder) in owned:  # an fx node's metadata, a traced graph's constants
             continue
         for held in gc.get_referents(holder):
             if id(held) in wanted:
                 found.setdefault(id(held), []).append(holder)
     return found
-
-
-def _internal(d: dict) -> bool:
-    """Whether `d` is a trace's own (an fx node's metadata)."""
-    return any(isinstance(holder, torch.fx.Node) for holder in gc.get_referrers(d))
 
 
 def _release(places: list[tuple[Any, Any]]) -> list[str]:
@@ -133,7 +167,7 @@ def _release(places: list[tuple[Any, Any]]) -> list[str]:
             holder.cache_clear()
         elif id(holder) in lru:
             lru[id(holder)].cache_clear()
-        elif isinstance(holder, dict) and _a_cache(holder):
+        elif isinstance(holder, dict) and _a_cache(holder, {id(place) for place in places}):
             for key in [k for k, v in holder.items() if v is held]:
                 del holder[key]
         else:
@@ -159,16 +193,31 @@ def _lru_entry(o: Any) -> bool:
     return type(o).__name__ == "_lru_list_elem"
 
 
-def _a_cache(d: dict) -> bool:
-    """Whether `d` is a dict of its own (a cache), not an object's, class's or module's namespace."""
-    return not any(isinstance(holder, (types.ModuleType, type)) or getattr(holder, "__dict__", None) is d
-                   for holder in gc.get_referrers(d))
+def _a_cache(d: dict, ours: set[int]) -> bool:
+    """Whether `d` is a cache: a dict held only by closures, tuples and lists (a
+    function's default argument), or as a value in the names of a module or a plain
+    object (not an nn.Module's own dicts, nor a partial's keywords); `ours`, the sweep's
+    own holders, aside."""
+    for holder in gc.get_referrers(d):
+        if id(holder) in ours or isinstance(holder, (types.CellType, types.FrameType)):
+            continue
+        if isinstance(holder, _CONTAINERS):  # a default argument's tuple, a list of caches
+            continue
+        if isinstance(holder, dict) and getattr(holder, "__dict__", None) is not d:
+            owners = [o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder]
+            if owners and not any(isinstance(o, nn.Module) for o in owners):
+                continue
+        return False
+    return True
 
 
 def _described(holder: Any) -> str:
     if isinstance(holder, dict):
-        owner = next((h for h in gc.get_referrers(holder) if getattr(h, "__dict__", None) is holder), None)
-        return f"an attribute of a {type(owner).__name__}" if owner is not None else "a module's or class's names"
+        owners = [h for h in gc.get_referrers(holder) if not isinstance(h, types.FrameType)]
+        owner = next((h for h in owners if getattr(h, "__dict__", None) is holder), None)
+        if owner is not None:
+            return f"an attribute of a {type(owner).__name__}"
+        return f"a dict held by a {type(owners[0]).__name__}" if owners else "a dict"
     if isinstance(holder, types.CellType):
         return "a variable a closure holds"
     return f"a {type(holder).__name__}"
