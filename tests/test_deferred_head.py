@@ -218,7 +218,7 @@ def test_logits_written_or_hooked_before_the_loss_reads_them_give_the_models_los
     expected = _step(unplanned, idx, targets)
     optremat.apply(model, plan)
     # in bfloat16 a chunked loss's gradient and a whole read's add up in another order
-    _close(_step(model, idx, targets), expected, *((1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 1e-4)))
+    _close(_step(model, idx, targets), expected, *((1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 5e-4)))
     if mode == "gradient kept":
         torch.testing.assert_close(model.kept.grad, unplanned.kept.grad, rtol=1e-5, atol=1e-7)
 
