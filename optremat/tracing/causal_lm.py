@@ -221,7 +221,7 @@ def own_chunks(model: nn.Module, chunks: int | None, head: str | None = None) ->
 class DeferredHead:
     """A model's forward with the `deferrable` heads holding the weight named `head`
     deferred (`deferred_head`): a cross-entropy the forward takes over their logits runs
-    in `chunks` token chunks, and those logits come back as None. Called as
+    in `chunks` token chunks, and logits only it read come back as None. Called as
     `DeferredHead(head, k)(model, forward, *args, **kwargs)`, `forward` being the model's own."""
 
     head: str
