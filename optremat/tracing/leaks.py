@@ -161,13 +161,14 @@ def _holders(objects: list[Any]) -> dict[int, list[Any]]:
 def _release(places: list[tuple[Any, Any]]) -> list[str]:
     """Take what each place holds out of it; the places it could not be taken from, described."""
     lru = _lru_caches() if any(isinstance(holder, dict) or _lru_entry(holder) for holder, _ in places) else {}
-    left = []
+    left, ours, caches = [], {id(place) for place in places}, {}
     for holder, held in places:
         if type(holder) is _LRU:
             holder.cache_clear()
         elif id(holder) in lru:
             lru[id(holder)].cache_clear()
-        elif isinstance(holder, dict) and _a_cache(holder, {id(place) for place in places}):
+        elif isinstance(holder, dict) and (caches[id(holder)] if id(holder) in caches
+                                           else caches.setdefault(id(holder), _a_cache(holder, ours))):
             for key in [k for k, v in holder.items() if v is held]:
                 del holder[key]
         else:
