@@ -194,9 +194,14 @@ def chunked_forward(model: nn.Module, head: str, chunks: int) -> "HeadInChunks |
     """What runs `model`'s forward with its own LM head and loss in `chunks` token chunks,
     the head's weight named `head`: `HeadInChunks` for a forward of a form in
     `TEMPLATES`, `DeferredHead` otherwise."""
-    if _runs_its_class_forward(model) and _form(_defining(type(model))) is not None:
+    if _runs_a_template(model):
         return HeadInChunks(chunks)
     return DeferredHead(head, chunks)
+
+
+def _runs_a_template(model: nn.Module) -> bool:
+    """Whether `model` runs its class's forward and that has a form of `TEMPLATES`."""
+    return _runs_its_class_forward(model) and _form(_defining(type(model))) is not None
 
 
 def own_chunks(model: nn.Module, chunks: int | None, head: str | None = None) -> int | None:
@@ -209,7 +214,7 @@ def own_chunks(model: nn.Module, chunks: int | None, head: str | None = None) ->
     run with its head in chunks now (hooks on its head, another loss function)."""
     if chunks is None:
         return None
-    if not (_runs_its_class_forward(model) and _form(_defining(type(model))) is not None):
+    if not _runs_a_template(model):
         return chunks if head is not None and DeferredHead(head, chunks).heads(model) else None
     reason = unsupported(model)
     if reason is not None:

@@ -161,14 +161,15 @@ def _holders(objects: list[Any]) -> dict[int, list[Any]]:
 def _release(places: list[tuple[Any, Any]]) -> list[str]:
     """Take what each place holds out of it; the places it could not be taken from, described."""
     lru = _lru_caches() if any(isinstance(holder, dict) or _lru_entry(holder) for holder, _ in places) else {}
-    left, ours, caches = [], {id(place) for place in places}, {}
+    ours = {id(place) for place in places}
+    caches = {id(h): _a_cache(h, ours) for h, _ in places if isinstance(h, dict) and id(h) not in lru}
+    left = []
     for holder, held in places:
         if type(holder) is _LRU:
             holder.cache_clear()
         elif id(holder) in lru:
             lru[id(holder)].cache_clear()
-        elif isinstance(holder, dict) and (caches[id(holder)] if id(holder) in caches
-                                           else caches.setdefault(id(holder), _a_cache(holder, ours))):
+        elif caches.get(id(holder)):
             for key in [k for k, v in holder.items() if v is held]:
                 del holder[key]
         else:
