@@ -3,7 +3,10 @@ wherever the cache lives, the model's later steps compute real losses and gradie
 equal to a model never planned, or planning says it cannot leave the model so."""
 
 import functools
+import gc
 import types
+import warnings
+import weakref
 
 import pytest
 import torch
@@ -113,8 +116,9 @@ def test_a_cache_planning_cannot_restore_is_refused_and_a_model_run_once_plans()
     afterwards: planning says so and how to avoid it; run once on the batch first, the
     model caches the real table and plans."""
     model, x = HiddenRope(), torch.randn(4, 24, 32)
-    with pytest.raises(FakeTensorLeft, match="attribute of a Rope.*run the model once"):
-        optremat.plan(model, x, 1.0, loss_fn=_square_mean, time_limit=5)
+    for _ in range(2):  # planned again as it is, it is refused again
+        with pytest.raises(FakeTensorLeft, match="attribute of a Rope.*run the model once"):
+            optremat.plan(model, x, 1.0, loss_fn=_square_mean, time_limit=5)
     model.ropes[0].cached = None
     model(x)
     optremat.plan(model, x, 1.0, loss_fn=_square_mean, time_limit=5)
@@ -144,3 +148,31 @@ def test_a_transformers_model_caching_with_its_own_lru_cache_trains_as_unplanned
     assert all(type(t) is torch.Tensor for t in got)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_planning_leaves_the_collector_as_it_found_it(frozen_before: bool) -> None:
+    """Planning looks through only what it made by freezing the heap from before it; after
+    it returns or fails, the heap is unfrozen (or left frozen as the caller froze it), and
+    garbage from before planning is collected."""
+    model, x = nn.Sequential(Attention("closure"), Attention("closure")), torch.randn(2, 24, 32)
+    if frozen_before:
+        gc.freeze()
+    try:
+        garbage = weakref.ref(_Cycle())
+        optremat.plan(model, x, 1.0, loss_fn=_square_mean, time_limit=5)
+        assert (gc.get_freeze_count() > 0) == frozen_before
+        with pytest.raises(optremat.ExtractionError, match="no_such_method"), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            optremat.plan(model, x, 1.0, loss_fn=lambda out: out.no_such_method(), time_limit=5)
+        assert not [w for w in seen if "optremat" in str(w.message)]  # the error's own fake tensors are no cache
+        assert (gc.get_freeze_count() > 0) == frozen_before
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert garbage() is None

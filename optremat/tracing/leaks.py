@@ -13,6 +13,12 @@ entries holding it, through up to three tuples, lists or deques. One held otherw
 object's attribute, an nn.Module's buffers, a partial's keywords, a closure's variable)
 cannot be taken out without losing what was there before: a call that returned raises
 `FakeTensorLeft`, naming what to do; one that failed warns so, its own error going on.
+
+Looking through the whole heap after every planning call took most of a small model's
+planning time, so the collector's objects are frozen (`gc.freeze`) while planning calls
+run, and a sweep looks through only what they made; garbage from before them is
+collected once they return. A caller that froze the heap itself keeps it frozen, and its
+sweeps look through the whole heap.
 """
 
 from __future__ import annotations
@@ -40,9 +46,18 @@ _ACTIVE = [0]
 """Planning calls running in any thread: a sweep runs only when the last one returns,
 with no other trace's fake tensors alive."""
 
-_INTERNAL = (types.FrameType, types.TracebackType, torch.fx.Node, torch.fx.Graph, torch.fx.GraphModule,
-             FakeTensorMode)
-"""What holds a trace's own fake tensors (a trace still running, or an exception's frames)."""
+_FROZEN = [False]
+"""Whether the first running planning call froze the collector's objects (`gc.freeze`):
+then only what the calls made since is collected and looked through, not the whole heap."""
+
+_INTERNAL = (types.FrameType, types.TracebackType, BaseException, torch.fx.Node, torch.fx.Graph,
+             torch.fx.GraphModule, torch.fx.Tracer, FakeTensorMode)
+"""What holds a trace's own fake tensors (a trace still running, or a failed one's error
+and frames)."""
+
+_LEFT: dict[int, weakref.ref] = {}
+"""The fake tensors of the last sweep that left one where it could not take it out: a
+later sweep looks for them again, although the heap from before it is frozen."""
 
 _LRU = functools._lru_cache_wrapper
 _CONTAINERS = (tuple, list, collections.deque)
@@ -73,6 +88,9 @@ def swept(function: F) -> F:
     def call(*args: Any, **kwargs: Any) -> Any:
         with _LOCK:
             _ACTIVE[0] += 1
+            if _ACTIVE[0] == 1 and gc.get_freeze_count() == 0 and gc.isenabled():
+                gc.freeze()
+                _FROZEN[0] = True
         failed = False
         try:
             return function(*args, **kwargs)
@@ -83,7 +101,7 @@ def swept(function: F) -> F:
         finally:
             with _LOCK:  # held through the sweep: a planning call starting meanwhile waits
                 _ACTIVE[0] -= 1
-                if _ACTIVE[0] == 0 and _MODES:
+                if _ACTIVE[0] == 0:
                     _sweep(failed)
 
     return call  # type: ignore[return-value]
@@ -101,15 +119,28 @@ def _let_go(error: BaseException) -> None:
 
 def _sweep(failed: bool = False) -> None:
     """Take the fake tensors left out of caches; raise FakeTensorLeft for one that cannot
-    be, or after a `failed` call (whose own error goes on) warn."""
-    gc.collect()
-    fakes = [o for o in gc.get_objects() if type(o) is FakeTensor and o.fake_mode in _MODES]
+    be, or after a `failed` call (whose own error goes on) warn.
+
+    A fake tensor left is one the planning calls made, or one an earlier sweep could not
+    take out (`_LEFT`). So while the heap from before the calls is frozen, collecting and
+    looking through what they made finds it; what holds it may be older, so the heap is
+    unfrozen before `_places` looks for that."""
+    fakes = []
+    if _MODES:
+        gc.collect()
+        fakes = [o for o in gc.get_objects() if type(o) is FakeTensor and o.fake_mode in _MODES]
+    if _FROZEN[0]:
+        gc.unfreeze()
+        _FROZEN[0] = False
+    young = {id(f) for f in fakes}
+    fakes += [f for f in (ref() for ref in _LEFT.values()) if f is not None and id(f) not in young]
+    _LEFT.clear()
     if not fakes or len(fakes) > MOST_SWEPT:
         return
     places = _places(fakes)
-    del fakes
     left = _release(places)
     if left:
+        _LEFT.update((id(f), weakref.ref(f)) for f in fakes)
         message = (f"optremat: tracing left a fake tensor in {left[0]}, where the model's later steps would read it "
                    "and compute fake losses and gradients: run the model once on a batch of the planned shapes "
                    "before planning, so that what its code caches is real")
@@ -123,9 +154,10 @@ def _places(fakes: list[FakeTensor]) -> list[tuple[Any, Any]]:
     """Where the fake tensors are kept outside a trace's own objects, as (holder, what it
     holds: the tensor, or a container holding it): what holds each, and, up to three
     tuples, lists or deques above it, the dicts and caches holding those."""
-    found, level = [], list(fakes)
+    found: list[tuple[Any, Any]] = []
+    level, ours = list(fakes), {id(fakes), id(found)}
     for depth in range(4):
-        holders = _holders(level)
+        holders = _holders(level, ours)
         containers = {}
         for held in level:
             for holder in holders.get(id(held), ()):
@@ -134,23 +166,23 @@ def _places(fakes: list[FakeTensor]) -> list[tuple[Any, Any]]:
                         containers[id(holder)] = holder
                 elif depth == 0 or isinstance(holder, dict) or type(holder) is _LRU or _lru_entry(holder):
                     found.append((holder, held))
+        ours.update([id(level), id(holders), id(containers), *map(id, holders.values())])
         level = list(containers.values())
     return found
 
 
-def _holders(objects: list[Any]) -> dict[int, list[Any]]:
-    """id(object) -> what holds it, but for a trace's own objects and this module's frames
-    (two passes over the heap)."""
+def _holders(objects: list[Any], ours: set[int]) -> dict[int, list[Any]]:
+    """id(object) -> what holds it, but for a trace's own objects, this module's frames and
+    the sweep's own lists and dicts (`ours`): two passes over the heap."""
     if not objects:
         return {}
     wanted = {id(o) for o in objects}
-    holders = [h for h in gc.get_referrers(*objects) if h is not objects and not isinstance(h, _INTERNAL)]
-    dicts = [h for h in holders if isinstance(h, dict)]
-    owned = {id(d) for owner in (gc.get_referrers(*dicts) if dicts else ())
-             if isinstance(owner, (torch.fx.Node, torch.fx.GraphModule)) for d in gc.get_referents(owner)}
+    holders = [h for h in gc.get_referrers(*objects)
+               if h is not objects and id(h) not in ours and not isinstance(h, _INTERNAL)]
+    owned = _a_traces_own([h for h in holders if isinstance(h, dict)])
     found: dict[int, list[Any]] = {}
     for holder in holders:
-        if id(holder) in owned:  # an fx node's metadata, a traced graph's constants
+        if id(holder) in owned:
             continue
         for held in gc.get_referents(holder):
             if id(held) in wanted:
@@ -158,11 +190,27 @@ def _holders(objects: list[Any]) -> dict[int, list[Any]]:
     return found
 
 
+def _a_traces_own(dicts: list[dict]) -> set[int]:
+    """The ids of those `dicts` that a trace's own objects hold: an fx node's metadata, a
+    traced graph's constants, and a tracer's and its root module's names (fx's tracer of a
+    function sets the constants it meets on a bare `nn.Module`)."""
+    if not dicts:
+        return set()
+    owners = gc.get_referrers(*dicts)
+    roots = [o for o in owners if type(o) is nn.Module]
+    tracers = [t for t in gc.get_referrers(*roots) if isinstance(t, torch.fx.Tracer)] if roots else []
+    traced = {id(t.root) for t in tracers if isinstance(getattr(t, "root", None), nn.Module)}
+    return {id(d) for owner in owners
+            if isinstance(owner, (torch.fx.Node, torch.fx.GraphModule, torch.fx.Tracer)) or id(owner) in traced
+            for d in gc.get_referents(owner)}
+
+
 def _release(places: list[tuple[Any, Any]]) -> list[str]:
     """Take what each place holds out of it; the places it could not be taken from, described."""
     lru = _lru_caches() if any(isinstance(holder, dict) or _lru_entry(holder) for holder, _ in places) else {}
-    ours = {id(place) for place in places}
-    caches = {id(h): _a_cache(h, ours) for h, _ in places if isinstance(h, dict) and id(h) not in lru}
+    dicts = {id(h): h for h, _ in places if isinstance(h, dict) and id(h) not in lru}
+    ours = {id(dicts), *(id(place) for place in places)}
+    caches = {key: _a_cache(d, ours) for key, d in dicts.items()}
     left = []
     for holder, held in places:
         if type(holder) is _LRU:
