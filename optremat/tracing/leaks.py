@@ -17,8 +17,8 @@ cannot be taken out without losing what was there before: a call that returned r
 Looking through the whole heap after every planning call took most of a small model's
 planning time, so the collector's objects are frozen (`gc.freeze`) while planning calls
 run, and a sweep looks through only what they made; garbage from before them is
-collected once they return. A caller that froze the heap itself keeps it frozen, and its
-sweeps look through the whole heap.
+collected once they return. A caller that froze the heap itself keeps it frozen; a sweep
+then looks through what the caller did not freeze, which holds what the calls made.
 """
 
 from __future__ import annotations
