@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import sys
 import threading
 import traceback
 import types
@@ -123,13 +124,16 @@ def _sweep(failed: bool = False) -> None:
 
     A fake tensor left is one the planning calls made, or one an earlier sweep could not
     take out (`_LEFT`). So while the heap from before the calls is frozen, collecting and
-    looking through what they made finds it; what holds it may be older, so the heap is
-    unfrozen before `_places` looks for that."""
+    looking through what they made finds it; those a failed call's trace alone still
+    holds are let be. What holds one may be older, so the heap is unfrozen before
+    `_places` looks for that."""
     fakes = []
     if _MODES:
         gc.collect()
         fakes = [o for o in gc.get_objects() if type(o) is FakeTensor and o.fake_mode in _MODES]
     if _FROZEN[0]:
+        if fakes and _held_by_traces_alone(fakes):
+            fakes = []
         gc.unfreeze()
         _FROZEN[0] = False
     young = {id(f) for f in fakes}
@@ -148,6 +152,46 @@ def _sweep(failed: bool = False) -> None:
             warnings.warn(message, stacklevel=4)
         else:
             raise FakeTensorLeft(message)
+
+
+def _held_by_traces_alone(fakes: list[FakeTensor]) -> bool:
+    """Whether only a trace's own objects (a failed call's trace, its error and frames)
+    hold `fakes`, through up to three tuples, lists or deques. Looked for first among
+    what the planning calls made, while the heap from before them is still frozen (so
+    each `gc.get_referrers` looks through only that), then, for those with references
+    not found there, through the heap: those found nowhere are held by C++ (an autograd
+    graph's saved tensors), which no Python cache is."""
+    level: list[Any] = fakes
+    seen, unseen = {id(fakes)}, []
+    for _ in range(4):
+        if not level:
+            break
+        holders = [h for h in gc.get_referrers(*level) if id(h) not in seen]
+        seen.update([id(holders), *map(id, holders)])
+        unseen += _references_unseen(level, holders)
+        owned = _a_traces_own([h for h in holders if isinstance(h, dict)])
+        if any(not isinstance(h, (*_CONTAINERS, *_INTERNAL)) and id(h) not in owned for h in holders):
+            return False
+        level = [h for h in holders if isinstance(h, _CONTAINERS)]
+        seen.add(id(level))
+    if level:
+        return False
+    gc.unfreeze()
+    try:
+        return not unseen or all(id(h) in seen for h in gc.get_referrers(*unseen) if h is not unseen)
+    finally:
+        gc.freeze()
+
+
+def _references_unseen(objects: list[Any], holders: list[Any]) -> list[Any]:
+    """Those of `objects` with more references than `holders` make to them, beside the
+    list `objects` and `sys.getrefcount`'s own two."""
+    made = dict.fromkeys(map(id, objects), 0)
+    for holder in holders:
+        for held in gc.get_referents(holder):
+            if id(held) in made:
+                made[id(held)] += 1
+    return [o for o in objects if sys.getrefcount(o) - 3 != made[id(o)]]
 
 
 def _places(fakes: list[FakeTensor]) -> list[tuple[Any, Any]]:
