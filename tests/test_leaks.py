@@ -158,23 +158,39 @@ class _Cycle:
 @pytest.mark.parametrize("frozen_before", [False, True])
 def test_planning_leaves_the_collector_as_it_found_it(frozen_before: bool) -> None:
     """Planning looks through only what it made by freezing the heap from before it; after
-    it returns or fails, the heap is unfrozen (or left frozen as the caller froze it), and
-    garbage from before planning is collected."""
-    model, x = nn.Sequential(Attention("closure"), Attention("closure")), torch.randn(2, 24, 32)
+    it returns or fails, the heap is unfrozen (or left frozen as the caller froze it),
+    garbage from before planning is collected, and what its traces cached in a cache from
+    before it (frozen with the heap) is taken out."""
+    model = nn.Sequential(Attention("closure"), Attention("closure"))
+    model(torch.randn(2, 16, 32))  # the cache holds a real mask: a dict the collector tracks
+    planned, failed = (torch.randn(2, n, 32) for n in ((26, 27) if frozen_before else (21, 22)))
     if frozen_before:
         gc.freeze()
     try:
         garbage = weakref.ref(_Cycle())
-        optremat.plan(model, x, 1.0, loss_fn=_square_mean, time_limit=5)
+        optremat.plan(model, planned, 1.0, loss_fn=_square_mean, time_limit=5)
         assert (gc.get_freeze_count() > 0) == frozen_before
+        assert type(_mask_closure(planned.shape[1])) is torch.Tensor
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             with pytest.raises(optremat.ExtractionError, match="no_such_method"):
-                optremat.plan(model, x, 1.0, loss_fn=lambda out: out.no_such_method(), time_limit=5)
+                optremat.plan(model, failed, 1.0, loss_fn=lambda out: out.no_such_method(), time_limit=5)
         assert not [w for w in seen if "optremat" in str(w.message)]  # the error's own fake tensors are no cache
-        assert type(_mask_closure(x.shape[1])) is torch.Tensor  # what the failed trace cached is taken out
+        assert type(_mask_closure(failed.shape[1])) is torch.Tensor
         assert (gc.get_freeze_count() > 0) == frozen_before
     finally:
         gc.unfreeze()
     gc.collect()
     assert garbage() is None
+
+
+def test_a_trace_outside_planning_is_swept_by_the_next_plan() -> None:
+    """A trace no planning call swept (optremat.tracing.extract.trace) leaves a fake mask in
+    the model's cache; the next plan, though its heap from before is frozen, takes it out."""
+    from optremat.tracing.extract import trace
+
+    model, x = nn.Sequential(Attention("closure"), Attention("closure")), torch.randn(2, 29, 32)
+    trace(model, x, _square_mean)
+    assert type(_mask_closure(29)) is not torch.Tensor
+    optremat.plan(model, x, 1.0, loss_fn=_square_mean, time_limit=5)
+    assert type(_mask_closure(29)) is torch.Tensor

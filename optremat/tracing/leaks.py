@@ -17,8 +17,10 @@ cannot be taken out without losing what was there before: a call that returned r
 Looking through the whole heap after every planning call took most of a small model's
 planning time, so the collector's objects are frozen (`gc.freeze`) while planning calls
 run, and a sweep looks through only what they made; garbage from before them is
-collected once they return. A caller that froze the heap itself keeps it frozen; a sweep
-then looks through what the caller did not freeze, which holds what the calls made.
+collected once they return. A trace outside any planning call leaves the next call's
+sweep looking through the whole heap. A caller that froze the heap itself keeps it
+frozen: where planning left a fake tensor, the heap is unfrozen while the sweep looks for
+what holds it, and frozen again, with what planning kept.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ _INTERNAL = (types.FrameType, types.TracebackType, BaseException, torch.fx.Node,
 """What holds a trace's own fake tensors (a trace still running, or a failed one's error
 and frames)."""
 
+_UNSWEPT = [False]
+"""Whether a trace ran outside any planning call, or a sweep passed over more fake
+tensors than it looks at (`MOST_SWEPT`): what they left is older than the next planning
+call, whose sweep then looks through the whole heap."""
+
 _LEFT: dict[int, weakref.ref] = {}
 """The fake tensors of the last sweep that left one where it could not take it out: a
 later sweep looks for them again, although the heap from before it is frozen."""
@@ -76,9 +83,13 @@ class FakeTensorLeft(RuntimeError):
 
 
 def traced_in(mode: FakeTensorMode | None) -> None:
-    """Note a fake mode a trace ran in: its tensors still alive after planning are leaks."""
+    """Note a fake mode a trace ran in: its tensors still alive after planning are leaks.
+    A trace outside any planning call (`extract.trace`) is swept by the next call, over
+    the whole heap."""
     if mode is not None:
         _MODES.add(mode)
+        if _ACTIVE[0] == 0:
+            _UNSWEPT[0] = True
 
 
 def swept(function: F) -> F:
@@ -89,7 +100,7 @@ def swept(function: F) -> F:
     def call(*args: Any, **kwargs: Any) -> Any:
         with _LOCK:
             _ACTIVE[0] += 1
-            if _ACTIVE[0] == 1 and gc.get_freeze_count() == 0 and gc.isenabled():
+            if _ACTIVE[0] == 1 and not _UNSWEPT[0] and gc.get_freeze_count() == 0 and gc.isenabled():
                 gc.freeze()
                 _FROZEN[0] = True
         failed = False
@@ -125,24 +136,30 @@ def _sweep(failed: bool = False) -> None:
     A fake tensor left is one the planning calls made, or one an earlier sweep could not
     take out (`_LEFT`). So while the heap from before the calls is frozen, collecting and
     looking through what they made finds it; those a failed call's trace alone still
-    holds are let be. What holds one may be older, so the heap is unfrozen before
-    `_places` looks for that."""
-    fakes = []
-    if _MODES:
-        gc.collect()
-        fakes = [o for o in gc.get_objects() if type(o) is FakeTensor and o.fake_mode in _MODES]
-    if _FROZEN[0]:
-        if fakes and _held_by_traces_alone(fakes):
-            fakes = []
-        gc.unfreeze()
-        _FROZEN[0] = False
-    young = {id(f) for f in fakes}
-    fakes += [f for f in (ref() for ref in _LEFT.values()) if f is not None and id(f) not in young]
-    _LEFT.clear()
-    if not fakes or len(fakes) > MOST_SWEPT:
+    holds are let be. What holds one may be older, so the heap is unfrozen while `_places`
+    looks for that (and frozen again after, where the caller had frozen it)."""
+    ours, callers = _FROZEN[0], not _FROZEN[0] and gc.get_freeze_count() > 0
+    try:
+        fakes = _fakes_left(frozen=ours or callers)
+    finally:
+        if ours:
+            gc.unfreeze()
+            _FROZEN[0] = False
+    if not ours:
+        _UNSWEPT[0] = False
+    if len(fakes) > MOST_SWEPT:
+        _UNSWEPT[0] = True
         return
-    places = _places(fakes)
-    left = _release(places)
+    _LEFT.clear()
+    if not fakes:
+        return
+    if callers:
+        gc.unfreeze()
+    try:
+        left = _release(_places(fakes))
+    finally:
+        if callers:
+            gc.freeze()
     if left:
         _LEFT.update((id(f), weakref.ref(f)) for f in fakes)
         message = (f"optremat: tracing left a fake tensor in {left[0]}, where the model's later steps would read it "
@@ -152,6 +169,20 @@ def _sweep(failed: bool = False) -> None:
             warnings.warn(message, stacklevel=4)
         else:
             raise FakeTensorLeft(message)
+
+
+def _fakes_left(frozen: bool) -> list[FakeTensor]:
+    """The fake tensors of the traces' modes still alive where the collector looks (what
+    the planning calls made, if the heap from before them is `frozen`), but those a
+    failed call's trace alone holds; and those an earlier sweep could not take out."""
+    fakes = []
+    if _MODES:
+        gc.collect()
+        fakes = [o for o in gc.get_objects() if type(o) is FakeTensor and o.fake_mode in _MODES]
+        if frozen and fakes and _held_by_traces_alone(fakes):
+            fakes = []
+    found = {id(f) for f in fakes}
+    return fakes + [f for f in (ref() for ref in _LEFT.values()) if f is not None and id(f) not in found]
 
 
 def _held_by_traces_alone(fakes: list[FakeTensor]) -> bool:
@@ -185,13 +216,18 @@ def _held_by_traces_alone(fakes: list[FakeTensor]) -> bool:
 
 def _references_unseen(objects: list[Any], holders: list[Any]) -> list[Any]:
     """Those of `objects` with more references than `holders` make to them, beside the
-    list `objects` and `sys.getrefcount`'s own two."""
+    list `objects` (and what reading the count adds, which Pythons differ in)."""
     made = dict.fromkeys(map(id, objects), 0)
     for holder in holders:
         for held in gc.get_referents(holder):
             if id(held) in made:
                 made[id(held)] += 1
-    return [o for o in objects if sys.getrefcount(o) - 3 != made[id(o)]]
+    alone = _reference_counts([object()])[0]  # what the list and the reading add, on this Python
+    return [o for o, count in zip(objects, _reference_counts(objects)) if count - alone != made[id(o)]]
+
+
+def _reference_counts(objects: list[Any]) -> list[int]:
+    return [sys.getrefcount(o) for o in objects]
 
 
 def _places(fakes: list[FakeTensor]) -> list[tuple[Any, Any]]:
