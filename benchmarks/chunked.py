@@ -117,20 +117,30 @@ def nanogpt(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list
     idx, targets = (torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq"])) for _ in range(2))
     params = list(model.parameters())
 
-    def step() -> tuple:
-        logits, loss = model(idx, targets)  # both held through the backward, as nanoGPT's loop holds them
-        return torch.autograd.grad(loss, params)
+    def step_of(forward: Callable[..., tuple]) -> Step:
+        def step() -> tuple:
+            logits, loss = forward(idx, targets)  # both held through the backward, as nanoGPT's loop holds them
+            return torch.autograd.grad(loss, params)
+        return step
+
+    step = step_of(model)
 
     def per_block() -> tuple:
         with checkpointed_blocks(model, [f"blocks.{i}" for i in range(SHAPE["layers"])]):
             return step()
 
+    def compiled_step(backend: Backend | str) -> Step:
+        return step_of(torch.compile(model, backend=backend, dynamic=False))
+
     forward = torch.compile(lambda: model(idx, targets)[1], backend=torch_budget_backend(TORCH_BUDGET))
     peers = {"per-block checkpoint": ("whole", per_block),
              f"PyTorch activation_memory_budget {TORCH_BUDGET:g} (torch.compile)": (
                  "whole", lambda: torch.autograd.grad(forward(), params))}
-    return compare(model, (idx, targets), step, step, peers, dict(head_chunks=None, cost_model=cost_model),
-                   dict(cost_model=cost_model), rounds, limit)
+    pricing = {"cost_model": cost_model}
+    return compare(model, (idx, targets), step, step, peers, dict(head_chunks=None, **pricing), pricing, rounds,
+                   limit, compiled=lambda label, budget, measured: compiled_plan(
+                       None, label, budget, "inductor", limit, pricing, compiled_step, measured),
+                   compiled_unplanned=("inductor", compiled_step("inductor")))
 
 
 def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: str = "cpu",
@@ -327,8 +337,12 @@ tokens, width 256, 4 blocks, batch 4) taking its own loss in its forward, as nan
 (`logits, loss = model(idx, targets)`, both held through the backward); it is planned
 with no loss_fn, and where the plan runs the head in chunks its logits are deferred until
 the forward's `F.cross_entropy` reads them (`optremat.tracing.deferred_head`). The rows of
-gpt-mini's page (`python -m benchmarks.chunked`) but for the ones needing the model
-rewritten (`F.linear_cross_entropy`, `compile_backend` with the loss apart)."""
+gpt-mini's page (`python -m benchmarks.chunked`) but for the one needing the model
+rewritten (`F.linear_cross_entropy`). `compile_backend` (Inductor) compiles the model
+as it is: the graph dynamo hands it ends in the head and the loss, which it takes out,
+planning the graph before them with them run after it in token chunks
+(`optremat.compiler.own_loss`; the logits then come back None); its overhead is measured
+against the model compiled by Inductor unplanned."""
 """The nanoGPT page's description, after its command line."""
 
 GPT_SMALL_PAGE = """The model is gpt-small's shape (`optremat.models.GPT` with GPT-2 small's shape:

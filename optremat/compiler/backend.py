@@ -29,6 +29,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from optremat.compiler.inductor import compile_in_plan_order, inductor_step, priced
 from optremat.compiler.joint import LOSS, JointStep, read_joint
 from optremat.compiler.known import known, remember
+from optremat.compiler.own_loss import split_own_loss
 from optremat.compiler.partition import partition, writable
 from optremat.compiler.torch_partitions import FRACTIONS, RIVALS, Rival, torch_keep_set
 from optremat.core.budget import InfeasibleBudget, check_budget, resolve_budget
@@ -445,6 +446,31 @@ class Backend:
         return self.partitioner.plans
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        """The compiled `gm`. Where it ends in its own LM head and cross-entropy
+        (`own_loss.split_own_loss`) and no `loss_fn` is given, the graph before them is
+        compiled, planned with them run after it whole or in token chunks; where the plan
+        runs them in chunks, they run so after it (the logits returned as None), else the
+        whole graph is compiled and planned again as it is."""
+        found = None if self.partitioner.loss_fn is not None else split_own_loss(gm, example_inputs)
+        if found is None:
+            return self._compiled(gm, example_inputs)
+        split, targets = found
+        made = len(self.plans)
+        self.partitioner.loss_fn = split.priced(example_inputs, targets)
+        try:
+            prefix = self._compiled(split.prefix, example_inputs)
+        finally:
+            self.partitioner.loss_fn = None
+        chunking = self.plans[-1].chunking if len(self.plans) > made else None
+        if chunking is None or chunking.chunks is None:
+            del self.plans[made:]
+            return self._compiled(gm, example_inputs)
+        self.plans[-1] = replace(self.plans[-1], loss=(
+            f"the model's own, taken in its forward: its LM head and cross-entropy run after the compiled graph in "
+            f"{chunking.chunks} token chunks, so the logits it returns are None"))
+        return split.run(prefix, chunking.chunks)
+
+    def _compiled(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         self.partitioner.graph_inputs = frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor))
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
@@ -483,7 +509,9 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     logits), else a list of them, since the model's output structure is not part of the
     graph). A `loss_fn` that is an `optremat.CausalLMLoss` with `chunks="auto"`, run on the
     compiled model's hidden states, has its token chunks chosen with the plan (`_chunked`)
-    and runs in them; a fractional budget is then of the step with the whole head.
+    and runs in them; a fractional budget is then of the step with the whole head. A graph
+    ending in its own LM head and cross-entropy (nanoGPT's loss, taken in the forward) has
+    them taken out and planned so when no `loss_fn` is given (`Backend.__call__`).
     `inner` is "inductor" or "aot_eager" (under which pointwise ops also write
     over inputs they are the last to read, wherever the graphs can); `solver`,
     `time_limit`, `deterministic`, `seed` and `workers` are `plan()`'s; `cache`, a

@@ -18,7 +18,6 @@ the model reads them otherwise.
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 import weakref
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from optremat.tracing.lm_loss import CausalLMLoss
+from optremat.tracing.lm_loss import CausalLMLoss, cross_entropy_arguments, loss_options
 
 WIDENING = 4
 """How many times wider than its input a head's output is: an LM head's vocabulary is
@@ -43,7 +42,6 @@ _CASTS = frozenset({torch.Tensor.float, torch.Tensor.to, torch.Tensor.type})
 _METADATA = frozenset({torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.shape.__get__,
                        torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
                        torch.Tensor.requires_grad.__get__, torch.Tensor.is_floating_point})
-_CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 
 _CHUNKED = WeakIdKeyDictionary()
 """A forward's output built on a loss a deferred head's cross-entropy computed in
@@ -203,9 +201,7 @@ class DeferredLogits(torch.Tensor):
 def _chunked_cross_entropy(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
     """`F.cross_entropy(*args, **kwargs)` by `CausalLMLoss` in chunks, where its input is
     deferred logits and it computes the same loss so; None otherwise."""
-    bound = _CROSS_ENTROPY.bind(*args, **kwargs)
-    bound.apply_defaults()
-    given = bound.arguments
+    given = cross_entropy_arguments(args, kwargs)
     logits, target = given["input"], given["target"]
     if not isinstance(logits, DeferredLogits) or logits.root.value is not None:
         return None
@@ -214,16 +210,12 @@ def _chunked_cross_entropy(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor 
     rows = hidden.shape[:-1].numel()
     with torch._C.DisableTorchFunctionSubclass():
         shape, dtype = logits.shape, logits.dtype
+    options = loss_options(given)
     if (rows == 0 or dtype != torch.float32 or shape != (rows, head.out_features) or not _plain(target)
-            or target.shape != (rows,) or target.is_floating_point() or target.is_complex()
-            or given["weight"] is not None or given["size_average"] is not None or given["reduce"] is not None
-            or given["reduction"] not in ("mean", "sum") or type(given["ignore_index"]) is not int):
+            or target.shape != (rows,) or target.is_floating_point() or target.is_complex() or options is None):
         return None
     with torch.autocast(hidden.device.type, enabled=False):  # the logits are the head call's, outside autocast
-        loss = CausalLMLoss(head, target, ignore_index=given["ignore_index"], shift=False,
-                            label_smoothing=given["label_smoothing"],
-                            num_items_in_batch=1 if given["reduction"] == "sum" else None,
-                            chunks=logits.chunks)(hidden.reshape(rows, hidden.shape[-1]))
+        loss = CausalLMLoss(head, target, **options, chunks=logits.chunks)(hidden.reshape(rows, hidden.shape[-1]))
     logits.root.chunked = True
     made = getattr(_MADE, "losses", None)
     if made is not None:

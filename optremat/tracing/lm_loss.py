@@ -10,6 +10,7 @@ any other over that head, runs as planned.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import threading
@@ -29,6 +30,8 @@ AUTO = "auto"
 
 _INSTALLED = WeakIdKeyDictionary()
 """Head weight -> chunk count of the plan applied to the model holding it."""
+
+_CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 
 _STANDING_IN = threading.local()
 """While a step is traced on this thread: id of each model parameter -> the traced tensor standing for it."""
@@ -167,6 +170,28 @@ def _torch_kernel_runs(hidden: torch.Tensor) -> bool:
     ours 0.9x) and, in bfloat16, casts the head's weight to float32 once per chunk where
     the implementation a trace records casts it once (1.27x the traced peak)."""
     return hidden.device.type != "cpu"
+
+
+def cross_entropy_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`F.cross_entropy`'s arguments by name, defaults filled in, of a call given `args`
+    and `kwargs`."""
+    bound = _CROSS_ENTROPY.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def loss_options(given: dict[str, Any]) -> dict[str, Any] | None:
+    """The options of `CausalLMLoss` (labels not shifted) that compute `F.cross_entropy`
+    called with the arguments `given` (`cross_entropy_arguments`) over one row of
+    logits per position: None where it has class weights, a reduction other than mean
+    or sum, or an ignore_index or label_smoothing that is not a number."""
+    smoothing = given["label_smoothing"]
+    if (given["weight"] is not None or given["size_average"] is not None or given["reduce"] is not None
+            or given["reduction"] not in ("mean", "sum") or type(given["ignore_index"]) is not int
+            or not isinstance(smoothing, (int, float)) or isinstance(smoothing, bool)):
+        return None
+    return dict(ignore_index=given["ignore_index"], shift=False, label_smoothing=float(smoothing),
+                num_items_in_batch=1 if given["reduction"] == "sum" else None)
 
 
 def check_chunks(chunks: Any) -> None:

@@ -1,0 +1,146 @@
+"""A compiled graph's own LM head and cross-entropy, run after it in the plan's chunks.
+
+A model that takes its loss in its forward (nanoGPT's `logits = self.lm_head(x)`, then
+`F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))`) hands
+torch.compile one graph computing the whole logits. `split_own_loss` finds that head and
+loss at the end of the graph dynamo hands the backend: an `F.linear` at least
+`WIDENING` times wider than its input, its float32 logits read only by one flattening
+and that cross-entropy (and returned), the loss only returned. Its `prefix` is the graph
+without them, returning the head's input flattened to one row per position and the
+targets besides; its `loss` is the `CausalLMLoss` over the head's weight that computes
+the same loss from them, for the backend to plan the prefix with (its chunks chosen with
+the plan, `Partitioner._chunked`); `run` runs the compiled prefix, then that loss in the
+chunks chosen, and returns what the graph returns, the logits None (the loss alone read
+them, as `CausalLMLoss` and the native runtime's deferred head return them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from optremat.tracing.deferred_head import WIDENING
+from optremat.tracing.lm_loss import CausalLMLoss, cross_entropy_arguments, loss_options
+
+_LINEAR = (F.linear, torch._C._nn.linear)
+_FLATTENING = ("view", "reshape", "flatten")
+
+
+@dataclass(frozen=True)
+class OwnLoss:
+    """A graph's head and loss taken out of it (`split_own_loss`): `prefix` computes the
+    rest; `weight` and `bias` index the graph's inputs holding the head's; `options` are
+    the `CausalLMLoss` options computing the loss; `logits` and `loss` are the positions
+    in the graph's outputs of the logits (None if not returned) and of the loss."""
+
+    prefix: fx.GraphModule
+    weight: int
+    bias: int | None
+    options: dict[str, Any]
+    outputs: int
+    logits: int | None
+    loss_at: int
+
+    def loss(self, example_inputs: Sequence[Any], labels: torch.Tensor, chunks: Any) -> CausalLMLoss:
+        """The loss over the head's weight and bias in `example_inputs` (a call's
+        arguments), against `labels`, in `chunks`."""
+        bias = None if self.bias is None else example_inputs[self.bias]
+        return CausalLMLoss(example_inputs[self.weight], labels, bias=bias, **self.options, chunks=chunks)
+
+    def priced(self, example_inputs: Sequence[Any], labels_like: torch.Tensor) -> CausalLMLoss:
+        """The loss the backend prices the prefix with, its chunks left to the plan: over
+        labels of the targets' shape, none ignored."""
+        with unset_fake_temporarily():
+            labels = torch.zeros(labels_like.shape, dtype=labels_like.dtype, device=labels_like.device)
+        return self.loss(example_inputs, labels, "auto")
+
+    def run(self, prefix: Callable[..., Any], chunks: int) -> Callable[..., Any]:
+        """What runs the compiled `prefix`, then the loss in `chunks` token chunks, and
+        returns the graph's outputs with the logits None."""
+
+        def step(*args: Any) -> list[Any]:
+            hidden, target, *rest = prefix(*args)
+            out: list[Any] = [None] * self.outputs
+            at = [i for i in range(self.outputs) if i not in (self.logits, self.loss_at)]
+            for i, value in zip(at, rest):
+                out[i] = value
+            out[self.loss_at] = self.loss(args, target, chunks)(hidden)
+            return out
+
+        return step
+
+
+def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[OwnLoss, torch.Tensor] | None:
+    """The head and loss at the end of `gm` taken out of it, and the targets' example
+    value; None where the graph has none (or computes no gradient)."""
+    if not torch.is_grad_enabled():
+        return None
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    results = output.args[0]
+    if not isinstance(results, (tuple, list)):
+        return None
+    found = [_head_and_loss(n, output) for n in results if isinstance(n, fx.Node)]
+    found = [f for f in found if f is not None]
+    if len(found) != 1:
+        return None
+    loss, flat, logits, (hidden, weight, bias), target = found[0]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if weight not in placeholders or (bias is not None and bias not in placeholders):
+        return None
+    options = loss_options(cross_entropy_arguments(loss.args, loss.kwargs))
+    rows, width = flat.meta["example_value"].shape[0], hidden.meta["example_value"].shape[-1]
+    if options is None or not isinstance(example_inputs[placeholders.index(weight)], torch.Tensor):
+        return None
+    graph = fx.Graph()
+    copied: dict[fx.Node, fx.Node] = {}
+    graph.graph_copy(gm.graph, copied)
+    flat_hidden = graph.call_method("reshape", (copied[hidden], rows, width))
+    flat_hidden.meta["example_value"] = hidden.meta["example_value"].reshape(rows, width)
+    kept = [copied[n] for n in results if n is not loss and n is not logits]
+    graph.output((flat_hidden, copied[target], *kept))
+    for node in (copied[loss], copied[flat], copied[logits]):
+        graph.erase_node(node)
+    graph.lint()
+    split = OwnLoss(fx.GraphModule(gm, graph), placeholders.index(weight),
+                    None if bias is None else placeholders.index(bias), options, len(results),
+                    results.index(logits) if logits in results else None, results.index(loss))
+    return split, target.meta["example_value"]
+
+
+def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
+    """Where `loss` is a cross-entropy over an LM head's flattened float32 logits read by
+    nothing else (but the output): the loss, the flattening, the logits, the head's
+    input, weight and bias nodes, and the targets; else None."""
+    if loss.op != "call_function" or loss.target is not F.cross_entropy or set(loss.users) != {output}:
+        return None
+    given = cross_entropy_arguments(loss.args, loss.kwargs)
+    flat, target = given["input"], given["target"]
+    if not (isinstance(flat, fx.Node) and isinstance(target, fx.Node) and set(flat.users) == {loss}
+            and _flattening(flat) and isinstance(flat.args[0], fx.Node)):
+        return None
+    logits = flat.args[0]
+    if logits.op != "call_function" or logits.target not in _LINEAR or not set(logits.users) <= {flat, output}:
+        return None
+    head = [*logits.args, *logits.kwargs.values()]
+    hidden, weight, bias = (head + [None])[:3]
+    values = [n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in (logits, hidden, target, flat)]
+    if not all(isinstance(v, torch.Tensor) for v in values) or not isinstance(weight, fx.Node):
+        return None
+    out, inputs, targets, rows = values
+    if (out.dtype != torch.float32 or inputs.dtype != torch.float32 or not inputs.requires_grad
+            or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
+            or targets.shape != rows.shape[:1] or targets.is_floating_point() or targets.is_complex()):
+        return None
+    return loss, flat, logits, (hidden, weight, bias if isinstance(bias, fx.Node) else None), target
+
+
+def _flattening(node: fx.Node) -> bool:
+    """Whether `node` reshapes a tensor (a view, reshape or flatten)."""
+    if node.op == "call_method":
+        return node.target in _FLATTENING
+    return node.op == "call_function" and node.target in (torch.reshape, torch.flatten)

@@ -1,0 +1,85 @@
+"""A model taking its own loss in its forward (nanoGPT's `logits, loss = model(idx,
+targets)`) compiled by `compile_backend`: the graph before its head and cross-entropy
+is compiled and planned with them run after it in the plan's token chunks; the loss and
+gradients are the eager model's, the logits come back None, and the measured peak is
+the predicted one."""
+
+import copy
+
+import pytest
+import torch
+
+import optremat
+from optremat.runtime.measure import measure_peak
+from tests.test_deferred_head import NanoGPT, _batch
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def _step(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple:
+    logits, loss = model(idx, targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return logits, loss.detach(), grads
+
+
+def _same(expected: tuple, got: tuple) -> None:
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(expected[2], got[2]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("loss", "inner"), [("plain", "aot_eager"), ("sum", "aot_eager"),
+                                             ("smoothing", "aot_eager"), ("bias", "aot_eager"), ("plain", "inductor")])
+def test_a_loss_taken_in_the_forward_runs_after_the_compiled_graph_in_the_planned_chunks(loss: str, inner: str) -> None:
+    model = NanoGPT(loss).train()
+    idx, targets = _batch()
+    expected = _step(copy.deepcopy(model), idx, targets)
+    backend = optremat.compile_backend(0.5, inner=inner, solver="dtr", time_limit=10)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    got = _step(compiled, idx, targets)
+    _same(expected, got)
+    assert got[0] is None and expected[0] is not None
+    plan = backend.plans[-1]
+    assert len(backend.plans) == 1 and plan.chunking.chunks is not None
+    assert f"in {plan.chunking.chunks} token chunks, so the logits it returns are None" in plan.summary()
+    measured = measure_peak(lambda: _step(compiled, idx, targets),
+                            resident=[list(model.parameters()), idx, targets]).peak_bytes
+    assert measured <= 1.02 * plan.budget_bytes, plan.summary()
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (measured, plan.summary())
+
+
+def test_logits_read_again_or_no_gradient_compile_the_graph_as_it_is() -> None:
+    """A z-loss reads the logits beside the cross-entropy, so the graph is compiled and
+    planned whole and returns them; so does a step taking no gradient."""
+    model = NanoGPT("z-loss").train()
+    idx, targets = _batch()
+    expected = _step(copy.deepcopy(model), idx, targets)
+    backend = optremat.compile_backend(0.9, inner="aot_eager", solver="dtr", time_limit=5)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    got = _step(compiled, idx, targets)
+    _same(expected, got)
+    torch.testing.assert_close(got[0], expected[0])
+    assert [plan.chunking for plan in backend.plans] == [None]
+    plain = NanoGPT().train()
+    compiled = torch.compile(plain, backend=optremat.compile_backend(0.7, inner="aot_eager"), dynamic=False)
+    with torch.no_grad():
+        logits, loss = compiled(idx, targets)
+        torch.testing.assert_close(loss, plain(idx, targets)[1])
+    assert logits is not None
+
+
+def test_a_plan_keeping_the_head_whole_compiles_the_graph_as_it_is() -> None:
+    """Where the plan runs the head whole (on an H100's prices, chunks only add launches
+    at a budget the whole head meets), the graph is compiled whole, its logits returned,
+    and one plan is listed."""
+    model = NanoGPT().train()
+    idx, targets = _batch()
+    expected = _step(copy.deepcopy(model), idx, targets)
+    backend = optremat.compile_backend(1.0, inner="aot_eager", solver="dtr", time_limit=5, device="h100")
+    got = _step(torch.compile(model, backend=backend, dynamic=False), idx, targets)
+    _same(expected, got)
+    torch.testing.assert_close(got[0], expected[0])
+    assert len(backend.plans) == 1 and backend.plans[0].chunking is None
