@@ -83,3 +83,26 @@ def test_a_plan_keeping_the_head_whole_compiles_the_graph_as_it_is() -> None:
     _same(expected, got)
     torch.testing.assert_close(got[0], expected[0])
     assert len(backend.plans) == 1 and backend.plans[0].chunking is None
+
+
+class Outputs(torch.nn.Module):
+    """NanoGPT returning a dict: its logits twice, its loss, and a tensor besides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = NanoGPT()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits, loss = self.gpt(idx, targets)
+        return {"logits": logits, "loss": loss, "again": logits, "doubled": idx * 2}
+
+
+def test_the_graphs_other_outputs_come_back_in_their_places() -> None:
+    model = Outputs().train()
+    idx, targets = _batch()
+    expected = model(idx, targets)["loss"]
+    got = torch.compile(model, backend=optremat.compile_backend(0.5, inner="aot_eager", solver="dtr", time_limit=5),
+                        dynamic=False)(idx, targets)
+    assert got["logits"] is None and got["again"] is None
+    torch.testing.assert_close(got["loss"], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["doubled"], idx * 2)

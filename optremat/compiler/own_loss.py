@@ -29,22 +29,23 @@ from optremat.tracing.lm_loss import CausalLMLoss, cross_entropy_arguments, loss
 
 _LINEAR = (F.linear, torch._C._nn.linear)
 _FLATTENING = ("view", "reshape", "flatten")
+LOGITS, LOSS = "logits", "loss"
+"""Places in a graph's outputs of the logits and the loss taken out of it."""
 
 
 @dataclass(frozen=True)
 class OwnLoss:
     """A graph's head and loss taken out of it (`split_own_loss`): `prefix` computes the
     rest; `weight` and `bias` index the graph's inputs holding the head's; `options` are
-    the `CausalLMLoss` options computing the loss; `logits` and `loss` are the positions
-    in the graph's outputs of the logits (None if not returned) and of the loss."""
+    the `CausalLMLoss` options computing the loss; `outputs` lays out the graph's
+    outputs: LOGITS, LOSS, or the index of the prefix's output after the head's input
+    and the targets."""
 
     prefix: fx.GraphModule
     weight: int
     bias: int | None
     options: dict[str, Any]
-    outputs: int
-    logits: int | None
-    loss_at: int
+    outputs: tuple[int | str, ...]
 
     def loss(self, example_inputs: Sequence[Any], labels: torch.Tensor, chunks: Any) -> CausalLMLoss:
         """The loss over the head's weight and bias in `example_inputs` (a call's
@@ -65,12 +66,8 @@ class OwnLoss:
 
         def step(*args: Any) -> list[Any]:
             hidden, target, *rest = prefix(*args)
-            out: list[Any] = [None] * self.outputs
-            at = [i for i in range(self.outputs) if i not in (self.logits, self.loss_at)]
-            for i, value in zip(at, rest):
-                out[i] = value
-            out[self.loss_at] = self.loss(args, target, chunks)(hidden)
-            return out
+            loss = self.loss(args, target, chunks)(hidden)
+            return [None if at == LOGITS else loss if at == LOSS else rest[at] for at in self.outputs]
 
         return step
 
@@ -101,14 +98,18 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     graph.graph_copy(gm.graph, copied)
     flat_hidden = graph.call_method("reshape", (copied[hidden], rows, width))
     flat_hidden.meta["example_value"] = hidden.meta["example_value"].reshape(rows, width)
-    kept = [copied[n] for n in results if n is not loss and n is not logits]
-    graph.output((flat_hidden, copied[target], *kept))
+    kept = [r for r in results if r is not loss and r is not logits]
+    graph.output((flat_hidden, copied[target], *(copied[r] if isinstance(r, fx.Node) else r for r in kept)))
     for node in (copied[loss], copied[flat], copied[logits]):
         graph.erase_node(node)
     graph.lint()
-    split = OwnLoss(fx.GraphModule(gm, graph), placeholders.index(weight),
-                    None if bias is None else placeholders.index(bias), options, len(results),
-                    results.index(logits) if logits in results else None, results.index(loss))
+    prefix = fx.GraphModule(gm, graph)
+    prefix.meta.update(gm.meta)
+    layout, rest = [], iter(range(len(kept)))
+    for r in results:
+        layout.append(LOSS if r is loss else LOGITS if r is logits else next(rest))
+    split = OwnLoss(prefix, placeholders.index(weight), None if bias is None else placeholders.index(bias), options,
+                    tuple(layout))
     return split, target.meta["example_value"]
 
 
