@@ -106,3 +106,42 @@ def test_the_graphs_other_outputs_come_back_in_their_places() -> None:
     assert got["logits"] is None and got["again"] is None
     torch.testing.assert_close(got["loss"], expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["doubled"], idx * 2)
+
+
+def test_a_bfloat16_head_whose_logits_the_loss_casts_runs_in_chunks() -> None:
+    model = NanoGPT("bfloat16").train()
+    idx, targets = _batch()
+    expected = _step(copy.deepcopy(model), idx, targets)
+    backend = optremat.compile_backend(0.5, inner="aot_eager", solver="dtr", time_limit=5)
+    got = _step(torch.compile(model, backend=backend, dynamic=False), idx, targets)
+    assert got[0] is None and backend.plans[0].chunking.chunks is not None
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-3, atol=1e-3)
+    for a, b in zip(expected[2], got[2]):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+
+
+def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks() -> None:
+    """transformers' loss casts the logits to float32 before flattening them: a Llama
+    compiled as it is, called with labels, runs its head and loss after the graph in
+    chunks, with the eager model's loss and gradients, at its predicted peak."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 2048, (4, 64))
+    reference = copy.deepcopy(model)
+
+    def step(m: torch.nn.Module) -> tuple:
+        out = m(input_ids=ids, labels=ids)
+        return out.logits, out.loss.detach(), torch.autograd.grad(out.loss, list(m.parameters()))
+
+    expected = step(reference)
+    backend = optremat.compile_backend(0.5, inner="aot_eager", solver="dtr", time_limit=5)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    got = step(compiled)
+    _same(expected, got)
+    plan = backend.plans[0]
+    assert got[0] is None and plan.chunking.chunks is not None
+    measured = measure_peak(lambda: step(compiled), resident=[list(model.parameters()), ids]).peak_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (measured, plan.summary())

@@ -4,8 +4,10 @@ A model that takes its loss in its forward (nanoGPT's `logits = self.lm_head(x)`
 `F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))`) hands
 torch.compile one graph computing the whole logits. `split_own_loss` finds that head and
 loss at the end of the graph dynamo hands the backend: an `F.linear` at least
-`WIDENING` times wider than its input, its float32 logits read only by one flattening
-and that cross-entropy (and returned), the loss only returned. Its `prefix` is the graph
+`WIDENING` times wider than its input, its logits read only by a flattening (after a
+cast to float32 where they are not in it, as transformers' loss casts them) and that
+cross-entropy (and returned), the loss only returned: nanoGPT's, and a transformers
+Llama's own loss compiled whole, without `num_items_in_batch`. Its `prefix` is the graph
 without them, returning the head's input flattened to one row per position and the
 targets besides; its `loss` is the `CausalLMLoss` over the head's weight that computes
 the same loss from them, for the backend to plan the prefix with (its chunks chosen with
@@ -66,7 +68,8 @@ class OwnLoss:
 
         def step(*args: Any) -> list[Any]:
             hidden, target, *rest = prefix(*args)
-            loss = self.loss(args, target, chunks)(hidden)
+            with torch.autocast(hidden.device.type, enabled=False):  # as the graph ran the head
+                loss = self.loss(args, target, chunks)(hidden)
             return [None if at == LOGITS else loss if at == LOSS else rest[at] for at in self.outputs]
 
         return step
@@ -85,7 +88,8 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     found = [f for f in found if f is not None]
     if len(found) != 1:
         return None
-    loss, flat, logits, (hidden, weight, bias), target = found[0]
+    loss, taken, (hidden, weight, bias), target = found[0]
+    flat, logits = taken[0], taken[-1]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if weight not in placeholders or (bias is not None and bias not in placeholders):
         return None
@@ -100,8 +104,8 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     flat_hidden.meta["example_value"] = hidden.meta["example_value"].reshape(rows, width)
     kept = [r for r in results if r is not loss and r is not logits]
     graph.output((flat_hidden, copied[target], *(copied[r] if isinstance(r, fx.Node) else r for r in kept)))
-    for node in (copied[loss], copied[flat], copied[logits]):
-        graph.erase_node(node)
+    for node in (loss, *taken):
+        graph.erase_node(copied[node])
     graph.lint()
     prefix = fx.GraphModule(gm, graph)
     prefix.meta.update(gm.meta)
@@ -114,9 +118,10 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
 
 
 def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
-    """Where `loss` is a cross-entropy over an LM head's flattened float32 logits read by
-    nothing else (but the output): the loss, the flattening, the logits, the head's
-    input, weight and bias nodes, and the targets; else None."""
+    """Where `loss` is a cross-entropy over an LM head's logits, flattened and in float32
+    (cast to it, or as computed), read by nothing else (but the output): the loss, the
+    nodes from the flattening up to the logits, the head's input, weight and bias, and
+    the targets; else None."""
     if loss.op != "call_function" or loss.target is not F.cross_entropy or set(loss.users) != {output}:
         return None
     given = cross_entropy_arguments(loss.args, loss.kwargs)
@@ -124,8 +129,12 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
     if not (isinstance(flat, fx.Node) and isinstance(target, fx.Node) and set(flat.users) == {loss}
             and _flattening(flat) and isinstance(flat.args[0], fx.Node)):
         return None
-    logits = flat.args[0]
-    if logits.op != "call_function" or logits.target not in _LINEAR or not set(logits.users) <= {flat, output}:
+    casts = [flat.args[0]]
+    while _float32_cast(casts[-1]) and set(casts[-1].users) == {casts[-2] if len(casts) > 1 else flat}:
+        casts.append(casts[-1].args[0])
+    logits, casts = casts[-1], casts[:-1]
+    after = casts[-1] if casts else flat
+    if logits.op != "call_function" or logits.target not in _LINEAR or not set(logits.users) <= {after, output}:
         return None
     head = [*logits.args, *logits.kwargs.values()]
     hidden, weight, bias = (head + [None])[:3]
@@ -133,11 +142,22 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
     if not all(isinstance(v, torch.Tensor) for v in values) or not isinstance(weight, fx.Node):
         return None
     out, inputs, targets, rows = values
-    if (out.dtype != torch.float32 or inputs.dtype != torch.float32 or not inputs.requires_grad
+    if (rows.dtype != torch.float32 or out.dtype != inputs.dtype or not inputs.requires_grad
             or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
             or targets.shape != rows.shape[:1] or targets.is_floating_point() or targets.is_complex()):
         return None
-    return loss, flat, logits, (hidden, weight, bias if isinstance(bias, fx.Node) else None), target
+    return loss, [flat, *casts, logits], (hidden, weight, bias if isinstance(bias, fx.Node) else None), target
+
+
+def _float32_cast(node: Any) -> bool:
+    """Whether `node` only casts its tensor to float32 (`.float()`, `.to(torch.float32)`,
+    `.type(torch.float32)`)."""
+    if not isinstance(node, fx.Node) or node.op != "call_method" or not isinstance(node.args[0], fx.Node):
+        return False
+    rest, kwargs = node.args[1:], node.kwargs
+    if node.target == "float":
+        return not rest and not kwargs
+    return node.target in ("to", "type") and (rest, kwargs) in (((torch.float32,), {}), ((), {"dtype": torch.float32}))
 
 
 def _flattening(node: fx.Node) -> bool:
