@@ -145,3 +145,60 @@ def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks() -
     assert got[0] is None and plan.chunking.chunks is not None
     measured = measure_peak(lambda: step(compiled), resident=[list(model.parameters()), ids]).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (measured, plan.summary())
+
+
+class Head(torch.nn.Module):
+    """A head and loss written more ways: "keywords" calls `F.linear` with its bias before
+    its weight; "hidden" also returns the head's input; "autocast" runs under bfloat16
+    autocast, the head's weight float32, the logits cast to float32 for the loss."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.emb, self.fc, self.head = (torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 64),
+                                        torch.nn.Linear(64, 1024))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.form == "autocast"):
+            x = torch.tanh(self.fc(self.emb(idx)))
+            logits = torch.nn.functional.linear(x, bias=self.head.bias, weight=self.head.weight)
+            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, 1024), targets.view(-1))
+            return (logits, loss, x) if self.form == "hidden" else (logits, loss)
+
+
+@pytest.mark.parametrize("form", ["keywords", "hidden", "autocast"])
+def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str) -> None:
+    """The weight given by keyword after the bias is the weight (it was taken for the
+    bias); the head's input returned too is handed to the loss priced (its view was not,
+    and the head went unpriced); under autocast the head's float32 weight meets bfloat16
+    logits, so the graph compiles as it is (run after it with autocast off, the head
+    multiplied bfloat16 by float32 and failed)."""
+    torch.manual_seed(0)
+    model = Head(form).train()
+    idx = torch.randint(0, 1024, (4, 64))
+
+    def step(m: torch.nn.Module) -> tuple:
+        logits, loss, *hidden = m(idx, idx)
+        total = loss + sum(h.sum() * 1e-3 for h in hidden)
+        return logits, loss.detach(), torch.autograd.grad(total, list(m.parameters())), *hidden
+
+    expected = step(copy.deepcopy(model))
+    backend = optremat.compile_backend(0.9 if form == "autocast" else 0.5, inner="aot_eager", time_limit=5)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    got = step(compiled)
+    _same(expected, got)
+    chunked = form != "autocast"
+    assert (got[0] is None) == chunked and (backend.plans[0].chunking is not None) == chunked
+    if form == "hidden":
+        torch.testing.assert_close(got[3], expected[3])
+        plan = backend.plans[0]
+        measured = measure_peak(lambda: step(compiled), resident=[list(model.parameters()), idx]).peak_bytes
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, plan.summary()
+
+
+def test_dynamic_shapes_are_refused_as_for_any_graph() -> None:
+    model = NanoGPT().train()
+    idx, targets = _batch()
+    compiled = torch.compile(model, backend=optremat.compile_backend(0.5, inner="aot_eager", solver="dtr"), dynamic=True)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="compile with dynamic=False"):
+        compiled(idx, targets)

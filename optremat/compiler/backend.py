@@ -454,9 +454,9 @@ class Backend:
         found = None if self.partitioner.loss_fn is not None else split_own_loss(gm, example_inputs)
         if found is None:
             return self._compiled(gm, example_inputs)
-        split, targets = found
+        split, hidden = found
         made = len(self.plans)
-        self.partitioner.loss_fn = split.priced(example_inputs, targets)
+        self.partitioner.loss_fn = split.priced(example_inputs, hidden)
         try:
             prefix = self._compiled(split.prefix, example_inputs)
         finally:

@@ -8,8 +8,7 @@ loss at the end of the graph dynamo hands the backend: an `F.linear` at least
 cast to float32 where they are not in it, as transformers' loss casts them) and that
 cross-entropy (and returned), the loss only returned: nanoGPT's, and a transformers
 Llama's own loss compiled whole, without `num_items_in_batch`. Its `prefix` is the graph
-without them, returning the head's input flattened to one row per position and the
-targets besides; its `loss` is the `CausalLMLoss` over the head's weight that computes
+without them, returning the head's input and the targets besides; its `loss` is the `CausalLMLoss` over the head's weight that computes
 the same loss from them, for the backend to plan the prefix with (its chunks chosen with
 the plan, `Partitioner._chunked`); `run` runs the compiled prefix, then that loss in the
 chunks chosen, and returns what the graph returns, the logits None (the loss alone read
@@ -25,14 +24,16 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from optremat.tracing.deferred_head import WIDENING
 from optremat.tracing.lm_loss import CausalLMLoss, cross_entropy_arguments, loss_options
 
 _LINEAR = (F.linear, torch._C._nn.linear)
 _FLATTENING = ("view", "reshape", "flatten")
-LOGITS, LOSS = "logits", "loss"
-"""Places in a graph's outputs of the logits and the loss taken out of it."""
+LOGITS, LOSS, HIDDEN = "logits", "loss", "hidden"
+"""Places in a graph's outputs of the logits and the loss taken out of it, and of the
+head's input."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class OwnLoss:
     """A graph's head and loss taken out of it (`split_own_loss`): `prefix` computes the
     rest; `weight` and `bias` index the graph's inputs holding the head's; `options` are
     the `CausalLMLoss` options computing the loss; `outputs` lays out the graph's
-    outputs: LOGITS, LOSS, or the index of the prefix's output after the head's input
-    and the targets."""
+    outputs: LOGITS, LOSS, HIDDEN, or the index of the prefix's output after the head's
+    input and the targets."""
 
     prefix: fx.GraphModule
     weight: int
@@ -55,11 +56,11 @@ class OwnLoss:
         bias = None if self.bias is None else example_inputs[self.bias]
         return CausalLMLoss(example_inputs[self.weight], labels, bias=bias, **self.options, chunks=chunks)
 
-    def priced(self, example_inputs: Sequence[Any], labels_like: torch.Tensor) -> CausalLMLoss:
+    def priced(self, example_inputs: Sequence[Any], hidden: torch.Tensor) -> CausalLMLoss:
         """The loss the backend prices the prefix with, its chunks left to the plan: over
-        labels of the targets' shape, none ignored."""
+        labels for the head's input `hidden`, none ignored."""
         with unset_fake_temporarily():
-            labels = torch.zeros(labels_like.shape, dtype=labels_like.dtype, device=labels_like.device)
+            labels = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
         return self.loss(example_inputs, labels, "auto")
 
     def run(self, prefix: Callable[..., Any], chunks: int) -> Callable[..., Any]:
@@ -68,16 +69,19 @@ class OwnLoss:
 
         def step(*args: Any) -> list[Any]:
             hidden, target, *rest = prefix(*args)
-            with torch.autocast(hidden.device.type, enabled=False):  # as the graph ran the head
-                loss = self.loss(args, target, chunks)(hidden)
-            return [None if at == LOGITS else loss if at == LOSS else rest[at] for at in self.outputs]
+            with torch.autocast(hidden.device.type, enabled=False):  # the graph's head ran in its weight's dtype
+                loss = self.loss(args, target.reshape(hidden.shape[:-1]), chunks)(hidden)
+            named = {LOGITS: None, LOSS: loss, HIDDEN: hidden}
+            return [named[at] if isinstance(at, str) else rest[at] for at in self.outputs]
 
         return step
 
 
 def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[OwnLoss, torch.Tensor] | None:
-    """The head and loss at the end of `gm` taken out of it, and the targets' example
-    value; None where the graph has none (or computes no gradient)."""
+    """The head and loss at the end of `gm` taken out of it, and the head input's example
+    value; None where the graph has none (or computes no gradient), or where the head's
+    input shares its storage with another output (a view of it is not handed to the loss
+    the prefix is priced with, so it would not be priced)."""
     if not torch.is_grad_enabled():
         return None
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -89,21 +93,28 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     if len(found) != 1:
         return None
     loss, taken, (hidden, weight, bias), target = found[0]
-    flat, logits = taken[0], taken[-1]
+    logits = taken[-1]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if weight not in placeholders or (bias is not None and bias not in placeholders):
         return None
     options = loss_options(cross_entropy_arguments(loss.args, loss.kwargs))
-    rows, width = flat.meta["example_value"].shape[0], hidden.meta["example_value"].shape[-1]
-    if options is None or not isinstance(example_inputs[placeholders.index(weight)], torch.Tensor):
+    value = hidden.meta["example_value"]
+    dense = value.is_contiguous()
+    kept = [r for r in results if r is not loss and r is not logits and not (dense and r is hidden)]
+    storage = StorageWeakRef(value.untyped_storage())
+    if (options is None or not isinstance(example_inputs[placeholders.index(weight)], torch.Tensor)
+            or any(isinstance(r, fx.Node) and isinstance(r.meta.get("example_value"), torch.Tensor)
+                   and StorageWeakRef(r.meta["example_value"].untyped_storage()) == storage for r in kept)):
         return None
     graph = fx.Graph()
     copied: dict[fx.Node, fx.Node] = {}
     graph.graph_copy(gm.graph, copied)
-    flat_hidden = graph.call_method("reshape", (copied[hidden], rows, width))
-    flat_hidden.meta["example_value"] = hidden.meta["example_value"].reshape(rows, width)
-    kept = [r for r in results if r is not loss and r is not logits]
-    graph.output((flat_hidden, copied[target], *(copied[r] if isinstance(r, fx.Node) else r for r in kept)))
+    handed, handed_value = copied[hidden], value
+    if not dense:  # copied inside the graph, where the plan prices it, not by the loss after it
+        rows = value.shape[:-1].numel()
+        handed = graph.call_method("reshape", (handed, rows, value.shape[-1]))
+        handed.meta["example_value"] = handed_value = value.reshape(rows, value.shape[-1])
+    graph.output((handed, copied[target], *(copied[r] if isinstance(r, fx.Node) else r for r in kept)))
     for node in (loss, *taken):
         graph.erase_node(copied[node])
     graph.lint()
@@ -111,10 +122,10 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     prefix.meta.update(gm.meta)
     layout, rest = [], iter(range(len(kept)))
     for r in results:
-        layout.append(LOSS if r is loss else LOGITS if r is logits else next(rest))
+        layout.append(LOSS if r is loss else LOGITS if r is logits else HIDDEN if dense and r is hidden else next(rest))
     split = OwnLoss(prefix, placeholders.index(weight), None if bias is None else placeholders.index(bias), options,
                     tuple(layout))
-    return split, target.meta["example_value"]
+    return split, handed_value
 
 
 def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
@@ -136,17 +147,23 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
     after = casts[-1] if casts else flat
     if logits.op != "call_function" or logits.target not in _LINEAR or not set(logits.users) <= {after, output}:
         return None
-    head = [*logits.args, *logits.kwargs.values()]
-    hidden, weight, bias = (head + [None])[:3]
-    values = [n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in (logits, hidden, target, flat)]
-    if not all(isinstance(v, torch.Tensor) for v in values) or not isinstance(weight, fx.Node):
+    hidden, weight, bias = (logits.args[i] if len(logits.args) > i else logits.kwargs.get(name)
+                            for i, name in enumerate(("input", "weight", "bias")))
+    values = [n.meta.get("example_value") if isinstance(n, fx.Node) else None
+              for n in (logits, hidden, target, flat, weight)]
+    if not all(isinstance(v, torch.Tensor) for v in values) or any(_symbolic(v) for v in values):
         return None
-    out, inputs, targets, rows = values
-    if (rows.dtype != torch.float32 or out.dtype != inputs.dtype or not inputs.requires_grad
+    out, inputs, targets, rows, head = values
+    if (rows.dtype != torch.float32 or not out.dtype == inputs.dtype == head.dtype or not inputs.requires_grad
             or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
-            or targets.shape != rows.shape[:1] or targets.is_floating_point() or targets.is_complex()):
+            or targets.shape != rows.shape[:1] or targets.dtype not in (torch.long, torch.uint8)):
         return None
     return loss, [flat, *casts, logits], (hidden, weight, bias if isinstance(bias, fx.Node) else None), target
+
+
+def _symbolic(t: torch.Tensor) -> bool:
+    """Whether `t`'s shape is symbolic (compiled with dynamic shapes)."""
+    return not all(isinstance(d, int) for d in t.shape)
 
 
 def _float32_cast(node: Any) -> bool:
