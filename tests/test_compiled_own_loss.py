@@ -199,6 +199,7 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
 def test_dynamic_shapes_are_refused_as_for_any_graph() -> None:
     model = NanoGPT().train()
     idx, targets = _batch()
-    compiled = torch.compile(model, backend=optremat.compile_backend(0.5, inner="aot_eager", solver="dtr"), dynamic=True)
+    backend = optremat.compile_backend(0.5, inner="aot_eager", solver="dtr")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="compile with dynamic=False"):
         compiled(idx, targets)
