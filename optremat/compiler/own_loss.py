@@ -9,9 +9,10 @@ cast to float32 where they are not in it, as transformers' loss casts them) and 
 cross-entropy (and returned), the loss only returned: nanoGPT's, and a transformers
 Llama's own loss compiled whole, without `num_items_in_batch`. Its `prefix` is the graph
 without them, returning the head's input and the targets besides; its `loss` is the
-`CausalLMLoss` over the head's weight that computes the same loss from them, for the backend to plan the prefix with (its chunks chosen with
-the plan, `Partitioner._chunked`); `run` runs the compiled prefix, then that loss in the
-chunks chosen, and returns what the graph returns, the logits None (the loss alone read
+`CausalLMLoss` over the head's weight that computes the same loss from them, for the
+backend to plan the prefix with (its chunks chosen with the plan,
+`Partitioner._chunked`); `run` runs the compiled prefix, then that loss in the chunks
+chosen, and returns what the graph returns, the logits None (the loss alone read
 them, as `CausalLMLoss` and the native runtime's deferred head return them).
 """
 
