@@ -10,8 +10,12 @@ import pytest
 import torch
 
 import optremat
+from optremat.compiler.backend import Backend
 from optremat.runtime.measure import measure_peak
+from optremat.tracing.lm_loss import install
 from tests.test_deferred_head import NanoGPT, _batch
+
+COMPILED = Backend._compiled
 
 
 @pytest.fixture(autouse=True)
@@ -71,18 +75,38 @@ def test_logits_read_again_or_no_gradient_compile_the_graph_as_it_is() -> None:
     assert logits is not None
 
 
-def test_a_plan_keeping_the_head_whole_compiles_the_graph_as_it_is() -> None:
+@pytest.mark.parametrize("head_chunks", ["auto", None])
+def test_a_plan_keeping_the_head_whole_compiles_the_graph_as_it_is(head_chunks, monkeypatch) -> None:
     """Where the plan runs the head whole (on an H100's prices, chunks only add launches
-    at a budget the whole head meets), the graph is compiled whole, its logits returned,
-    and one plan is listed."""
+    at a budget the whole head meets), the graph before the head is compiled, then the
+    whole graph as it is, its logits returned, and one plan is listed; with
+    `head_chunks=None` the whole graph alone. A chunk count installed for the head
+    stays."""
+    compiled = []
+    monkeypatch.setattr(Backend, "_compiled",
+                        lambda self, gm, inputs: compiled.append(gm) or COMPILED(self, gm, inputs))
     model = NanoGPT().train()
     idx, targets = _batch()
     expected = _step(copy.deepcopy(model), idx, targets)
-    backend = optremat.compile_backend(1.0, inner="aot_eager", solver="dtr", time_limit=5, device="h100")
+    install(model.lm_head.weight, 8)
+    backend = optremat.compile_backend(1.0, inner="aot_eager", solver="dtr", time_limit=5, device="h100",
+                                       head_chunks=head_chunks)
     got = _step(torch.compile(model, backend=backend, dynamic=False), idx, targets)
     _same(expected, got)
     torch.testing.assert_close(got[0], expected[0])
     assert len(backend.plans) == 1 and backend.plans[0].chunking is None
+    assert len(compiled) == (2 if head_chunks else 1)
+    assert optremat.CausalLMLoss(model.lm_head, targets).running_chunks() == 8
+    install(model.lm_head.weight, None)
+
+
+def test_a_loss_taken_without_gradients_stays_in_the_graph() -> None:
+    model = Head("no_grad").train()
+    idx = torch.randint(0, 1024, (4, 64))
+    backend = optremat.compile_backend(0.9, inner="aot_eager", time_limit=5)
+    logits, loss = torch.compile(model, backend=backend, dynamic=False)(idx, idx)
+    assert logits is not None and not loss.requires_grad
+    torch.testing.assert_close(loss, model(idx, idx)[1])
 
 
 class Outputs(torch.nn.Module):
@@ -149,8 +173,10 @@ def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks() -
 
 class Head(torch.nn.Module):
     """A head and loss written more ways: "keywords" calls `F.linear` with its bias before
-    its weight; "hidden" also returns the head's input; "autocast" runs under bfloat16
-    autocast, the head's weight float32, the logits cast to float32 for the loss."""
+    its weight; "hidden" also returns the head's input; "shifted" reads all positions but
+    the last, against the next tokens; "autocast" runs under bfloat16 autocast, the
+    head's weight float32, the logits cast to float32 for the loss; "no_grad" takes the
+    loss without gradients."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -161,16 +187,20 @@ class Head(torch.nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.form == "autocast"):
             x = torch.tanh(self.fc(self.emb(idx)))
-            logits = torch.nn.functional.linear(x, bias=self.head.bias, weight=self.head.weight)
-            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, 1024), targets.view(-1))
+            if self.form == "shifted":
+                x, targets = x[:, :-1], targets[:, 1:]
+            with torch.set_grad_enabled(self.form != "no_grad"):
+                logits = torch.nn.functional.linear(x, bias=self.head.bias, weight=self.head.weight)
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 1024), targets.reshape(-1))
             return (logits, loss, x) if self.form == "hidden" else (logits, loss)
 
 
-@pytest.mark.parametrize("form", ["keywords", "hidden", "autocast"])
+@pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast"])
 def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str) -> None:
     """The weight given by keyword after the bias is the weight (it was taken for the
     bias); the head's input returned too is handed to the loss priced (its view was not,
-    and the head went unpriced); under autocast the head's float32 weight meets bfloat16
+    and the head went unpriced); a strided head input is copied in the graph, where the
+    plan prices the copy; under autocast the head's float32 weight meets bfloat16
     logits, so the graph compiles as it is (run after it with autocast off, the head
     multiplied bfloat16 by float32 and failed)."""
     torch.manual_seed(0)
@@ -191,6 +221,7 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
     assert (got[0] is None) == chunked and (backend.plans[0].chunking is not None) == chunked
     if form == "hidden":
         torch.testing.assert_close(got[3], expected[3])
+    if chunked:
         plan = backend.plans[0]
         measured = measure_peak(lambda: step(compiled), resident=[list(model.parameters()), idx]).peak_bytes
         assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, plan.summary()

@@ -437,9 +437,10 @@ class Backend:
     """A torch.compile backend: `inner` compiles the forward and backward graphs that the
     `partitioner` cuts from each joint graph. `plans` lists the plans made so far."""
 
-    def __init__(self, partitioner: Partitioner, inner: str) -> None:
+    def __init__(self, partitioner: Partitioner, inner: str, head_chunks: str | None = AUTO) -> None:
         self.partitioner = partitioner
         self.inner = inner
+        self.head_chunks = head_chunks
 
     @property
     def plans(self) -> list[Plan]:
@@ -450,25 +451,38 @@ class Backend:
         (`own_loss.split_own_loss`) and no `loss_fn` is given, the graph before them is
         compiled, planned with them run after it whole or in token chunks; where the plan
         runs them in chunks, they run so after it (the logits returned as None), else the
-        whole graph is compiled and planned again as it is."""
-        found = None if self.partitioner.loss_fn is not None else split_own_loss(gm, example_inputs)
+        whole graph is compiled and planned again as it is (where no plan of it fits,
+        the graph before them runs with them whole after it). Not with `head_chunks` None.
+        The chunks chosen are not installed for the head's other losses (`lm_loss.install`)."""
+        found = (None if self.partitioner.loss_fn is not None or self.head_chunks is None
+                 else split_own_loss(gm, example_inputs))
         if found is None:
             return self._compiled(gm, example_inputs)
         split, hidden = found
         made = len(self.plans)
-        self.partitioner.loss_fn = split.priced(example_inputs, hidden)
+        priced = split.priced(example_inputs, hidden)
+        installed = priced.running_chunks()
+        self.partitioner.loss_fn = priced
         try:
             prefix = self._compiled(split.prefix, example_inputs)
         finally:
             self.partitioner.loss_fn = None
+            install(priced.weights(substituted=False)[0], installed)
         chunking = self.plans[-1].chunking if len(self.plans) > made else None
-        if chunking is None or chunking.chunks is None:
-            del self.plans[made:]
-            return self._compiled(gm, example_inputs)
+        chunks = None if chunking is None else chunking.chunks
+        if chunks is None:
+            planned = len(self.plans)
+            try:
+                whole = self._compiled(gm, example_inputs)
+            except InfeasibleBudget:
+                del self.plans[planned:]
+            else:
+                del self.plans[made:planned]
+                return whole
         self.plans[-1] = replace(self.plans[-1], loss=(
-            f"the model's own, taken in its forward: its LM head and cross-entropy run after the compiled graph in "
-            f"{chunking.chunks} token chunks, so the logits it returns are None"))
-        return split.run(prefix, chunking.chunks)
+            f"the model's own, taken in its forward: its LM head and cross-entropy run after the compiled graph "
+            f"{'whole' if chunks is None else f'in {chunks} token chunks'}, so the logits it returns are None"))
+        return split.run(prefix, chunks)
 
     def _compiled(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         self.partitioner.graph_inputs = frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor))
@@ -497,7 +511,7 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
                     time_limit: float = 30.0, deterministic: bool = False, seed: int = 0, workers: int = 0,
                     cache: str | Path | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                     device: str | DeviceProfile | None = None, order: str = "traced",
-                    cost_model: str = "roofline") -> Backend:
+                    cost_model: str = "roofline", head_chunks: str | None = AUTO) -> Backend:
     """A `torch.compile` backend that plans every compiled training step under `budget`:
     `torch.compile(model, backend=optremat.compile_backend("6GiB"), dynamic=False)`.
 
@@ -511,7 +525,9 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
     compiled model's hidden states, has its token chunks chosen with the plan (`_chunked`)
     and runs in them; a fractional budget is then of the step with the whole head. A graph
     ending in its own LM head and cross-entropy (nanoGPT's loss, taken in the forward) has
-    them taken out and planned so when no `loss_fn` is given (`Backend.__call__`).
+    them taken out and planned so when no `loss_fn` is given (`Backend.__call__`); where the
+    plan runs them after the graph the forward returns its logits as None (the loss alone
+    read them). `head_chunks=None` leaves them in the graph, the logits returned.
     `inner` is "inductor" or "aot_eager" (under which pointwise ops also write
     over inputs they are the last to read, wherever the graphs can); `solver`,
     `time_limit`, `deterministic`, `seed` and `workers` are `plan()`'s; `cache`, a
@@ -537,6 +553,8 @@ def compile_backend(budget: int | float | str, *, inner: str = "inductor", solve
         raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
+    if head_chunks not in (AUTO, None):
+        raise ValueError(f'head_chunks must be "auto" or None, not {head_chunks!r}')
     return Backend(Partitioner(budget, solver, time_limit, deterministic, seed, workers, cache, loss_fn, device,
                                share=inner == "aot_eager", inline=inner == "inductor", order=order,
-                               cost_model=cost_model), inner)
+                               cost_model=cost_model), inner, head_chunks)

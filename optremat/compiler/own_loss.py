@@ -30,7 +30,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from optremat.tracing.deferred_head import WIDENING
 from optremat.tracing.lm_loss import CausalLMLoss, cross_entropy_arguments, loss_options
 
-_LINEAR = (F.linear, torch._C._nn.linear)
 _FLATTENING = ("view", "reshape", "flatten")
 LOGITS, LOSS, HIDDEN = "logits", "loss", "hidden"
 """Places in a graph's outputs of the logits and the loss taken out of it, and of the
@@ -80,11 +79,9 @@ class OwnLoss:
 
 def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[OwnLoss, torch.Tensor] | None:
     """The head and loss at the end of `gm` taken out of it, and the head input's example
-    value; None where the graph has none (or computes no gradient), or where the head's
+    value; None where the graph has none (or its loss takes no gradient), or where the head's
     input shares its storage with another output (a view of it is not handed to the loss
     the prefix is priced with, so it would not be priced)."""
-    if not torch.is_grad_enabled():
-        return None
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = output.args[0]
     if not isinstance(results, (tuple, list)):
@@ -146,16 +143,17 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
         casts.append(casts[-1].args[0])
     logits, casts = casts[-1], casts[:-1]
     after = casts[-1] if casts else flat
-    if logits.op != "call_function" or logits.target not in _LINEAR or not set(logits.users) <= {after, output}:
+    if logits.op != "call_function" or logits.target is not F.linear or not set(logits.users) <= {after, output}:
         return None
     hidden, weight, bias = (logits.args[i] if len(logits.args) > i else logits.kwargs.get(name)
                             for i, name in enumerate(("input", "weight", "bias")))
     values = [n.meta.get("example_value") if isinstance(n, fx.Node) else None
-              for n in (logits, hidden, target, flat, weight)]
+              for n in (logits, hidden, target, flat, weight, loss)]
     if not all(isinstance(v, torch.Tensor) for v in values) or any(_symbolic(v) for v in values):
         return None
-    out, inputs, targets, rows, head = values
+    out, inputs, targets, rows, head, value = values
     if (rows.dtype != torch.float32 or not out.dtype == inputs.dtype == head.dtype or not inputs.requires_grad
+            or not value.requires_grad
             or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
             or targets.shape != rows.shape[:1] or targets.dtype not in (torch.long, torch.uint8)):
         return None

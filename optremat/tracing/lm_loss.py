@@ -184,11 +184,12 @@ def loss_options(given: dict[str, Any]) -> dict[str, Any] | None:
     """The options of `CausalLMLoss` (labels not shifted) that compute `F.cross_entropy`
     called with the arguments `given` (`cross_entropy_arguments`) over one row of
     logits per position: None where it has class weights, a reduction other than mean
-    or sum, or an ignore_index or label_smoothing that is not a number."""
+    or sum, an ignore_index not a Python int, or a label_smoothing not a real number
+    (a tensor's is left to the whole head)."""
     smoothing = given["label_smoothing"]
     if (given["weight"] is not None or given["size_average"] is not None or given["reduce"] is not None
             or given["reduction"] not in ("mean", "sum") or type(given["ignore_index"]) is not int
-            or not isinstance(smoothing, (int, float)) or isinstance(smoothing, bool)):
+            or not isinstance(smoothing, numbers.Real) or isinstance(smoothing, bool)):
         return None
     return dict(ignore_index=given["ignore_index"], shift=False, label_smoothing=float(smoothing),
                 num_items_in_batch=1 if given["reduction"] == "sum" else None)
