@@ -475,6 +475,8 @@ class Backend:
             try:
                 whole = self._compiled(gm, example_inputs)
             except InfeasibleBudget:
+                if planned == made:  # the graph before the head planned nothing: no plan fits
+                    raise
                 del self.plans[planned:]
             else:
                 del self.plans[made:planned]
