@@ -234,3 +234,29 @@ def test_dynamic_shapes_are_refused_as_for_any_graph() -> None:
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="compile with dynamic=False"):
         compiled(idx, targets)
+
+
+class Broken(torch.nn.Module):
+    """A head and loss dynamo compiles in a graph of their own, after a graph break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.head = (torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 64),
+                                        torch.nn.Linear(64, 1024, bias=False))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple:
+        x = torch.tanh(self.fc(self.emb(idx)))
+        torch._dynamo.graph_break()
+        logits = self.head(x)
+        return logits, torch.nn.functional.cross_entropy(logits.view(-1, 1024), targets.view(-1))
+
+
+def test_a_head_alone_in_its_graph_under_a_budget_it_cannot_meet_is_refused() -> None:
+    """The graph before the head holds only its input and plans nothing; no plan of the
+    whole graph fits, so the refusal stands (the plan of the graph before the break was
+    taken for the head's and the head run whole)."""
+    backend = optremat.compile_backend("3MiB", inner="aot_eager", solver="dtr", time_limit=5)
+    idx = torch.randint(0, 1024, (4, 64))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="compiled graph 2"):
+        torch.compile(Broken().train(), backend=backend, dynamic=False)(idx, idx)
+    assert len(backend.plans) == 1 and "run after the compiled graph" not in backend.plans[0].loss
