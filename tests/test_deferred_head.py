@@ -368,3 +368,13 @@ def test_transformers_models_outside_the_forms_read_run_their_own_loss_in_chunks
     assert model(**batch).logits is None
     measured = measure_step(model, batch).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes
+
+
+def test_int32_targets_are_refused_as_eager_refuses_them() -> None:
+    """Only int64 and uint8 targets are chunked, as `F.cross_entropy` takes only those:
+    int32 ones reach it with the logits computed, and it refuses them as unplanned."""
+    model = NanoGPT()
+    idx, targets = _batch()
+    optremat.apply(model, optremat.plan(model, (idx, targets), 1.0, head_chunks=2, time_limit=5))
+    with pytest.raises(RuntimeError, match="Long"):
+        model(idx, targets.int())

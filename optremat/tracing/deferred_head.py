@@ -212,7 +212,7 @@ def _chunked_cross_entropy(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor 
         shape, dtype = logits.shape, logits.dtype
     options = loss_options(given)
     if (rows == 0 or dtype != torch.float32 or shape != (rows, head.out_features) or not _plain(target)
-            or target.shape != (rows,) or target.is_floating_point() or target.is_complex() or options is None):
+            or target.shape != (rows,) or target.dtype not in (torch.long, torch.uint8) or options is None):
         return None
     with torch.autocast(hidden.device.type, enabled=False):  # the logits are the head call's, outside autocast
         loss = CausalLMLoss(head, target, **options, chunks=logits.chunks)(hidden.reshape(rows, hidden.shape[-1]))
