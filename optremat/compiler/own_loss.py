@@ -63,9 +63,9 @@ class OwnLoss:
             labels = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
         return self.loss(example_inputs, labels, "auto")
 
-    def run(self, prefix: Callable[..., Any], chunks: int) -> Callable[..., Any]:
-        """What runs the compiled `prefix`, then the loss in `chunks` token chunks, and
-        returns the graph's outputs with the logits None."""
+    def run(self, prefix: Callable[..., Any], chunks: int | None) -> Callable[..., Any]:
+        """What runs the compiled `prefix`, then the loss in `chunks` token chunks (None:
+        whole), and returns the graph's outputs with the logits None."""
 
         def step(*args: Any) -> list[Any]:
             hidden, target, *rest = prefix(*args)
