@@ -90,12 +90,11 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     found = [f for f in found if f is not None]
     if len(found) != 1:
         return None
-    loss, taken, (hidden, weight, bias), target = found[0]
+    loss, taken, (hidden, weight, bias), target, options = found[0]
     logits = taken[-1]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if weight not in placeholders or (bias is not None and bias not in placeholders):
         return None
-    options = loss_options(cross_entropy_arguments(loss.args, loss.kwargs))
     value = hidden.meta["example_value"]
     dense = value.is_contiguous()
     kept = [r for r in results if r is not loss and r is not logits and not (dense and r is hidden)]
@@ -129,8 +128,9 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
 def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
     """Where `loss` is a cross-entropy over an LM head's logits, flattened and in float32
     (cast to it, or as computed), read by nothing else (but the output): the loss, the
-    nodes from the flattening up to the logits, the head's input, weight and bias, and
-    the targets; else None."""
+    nodes from the flattening up to the logits, the head's input, weight and bias, the
+    targets, and the `CausalLMLoss` options of the loss (None where it has none); else
+    None."""
     if loss.op != "call_function" or loss.target is not F.cross_entropy or set(loss.users) != {output}:
         return None
     given = cross_entropy_arguments(loss.args, loss.kwargs)
@@ -157,7 +157,8 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
             or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
             or targets.shape != rows.shape[:1] or targets.dtype not in (torch.long, torch.uint8)):
         return None
-    return loss, [flat, *casts, logits], (hidden, weight, bias if isinstance(bias, fx.Node) else None), target
+    return (loss, [flat, *casts, logits], (hidden, weight, bias if isinstance(bias, fx.Node) else None), target,
+            loss_options(given))
 
 
 def _symbolic(t: torch.Tensor) -> bool:
