@@ -144,20 +144,26 @@ def test_a_bfloat16_head_whose_logits_the_loss_casts_runs_in_chunks() -> None:
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
 
 
-def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks() -> None:
+@pytest.mark.parametrize("counted", [False, True])
+def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks(counted: bool) -> None:
     """transformers' loss casts the logits to float32 before flattening them: a Llama
     compiled as it is, called with labels, runs its head and loss after the graph in
-    chunks, with the eager model's loss and gradients, at its predicted peak."""
+    chunks, with the eager model's loss and gradients, at its predicted peak; also
+    with `num_items_in_batch`, as `transformers.Trainer` passes it (the loss summed,
+    then divided by it inside the graph)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)
     model = transformers.LlamaForCausalLM(config).train()
     ids = torch.randint(0, 2048, (4, 64))
+    labels = ids.clone()
+    labels[0, :10] = -100
+    counts = {"num_items_in_batch": (labels[:, 1:] != -100).sum()} if counted else {}
     reference = copy.deepcopy(model)
 
     def step(m: torch.nn.Module) -> tuple:
-        out = m(input_ids=ids, labels=ids)
+        out = m(input_ids=ids, labels=labels, **counts)
         return out.logits, out.loss.detach(), torch.autograd.grad(out.loss, list(m.parameters()))
 
     expected = step(reference)
@@ -167,7 +173,7 @@ def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks() -
     _same(expected, got)
     plan = backend.plans[0]
     assert got[0] is None and plan.chunking.chunks is not None
-    measured = measure_peak(lambda: step(compiled), resident=[list(model.parameters()), ids]).peak_bytes
+    measured = measure_peak(lambda: step(compiled), resident=[list(model.parameters()), ids, labels]).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (measured, plan.summary())
 
 
@@ -176,7 +182,8 @@ class Head(torch.nn.Module):
     its weight; "hidden" also returns the head's input; "shifted" reads all positions but
     the last, against the next tokens; "autocast" runs under bfloat16 autocast, the
     head's weight float32, the logits cast to float32 for the loss; "no_grad" takes the
-    loss without gradients."""
+    loss without gradients; "auxiliary" halves the loss and adds an auxiliary loss to it
+    in place (as Mixtral adds its router's); "vector" scales it by a vector, then sums."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -192,17 +199,23 @@ class Head(torch.nn.Module):
             with torch.set_grad_enabled(self.form != "no_grad"):
                 logits = torch.nn.functional.linear(x, bias=self.head.bias, weight=self.head.weight)
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 1024), targets.reshape(-1))
+            if self.form == "auxiliary":
+                loss = loss * 0.5
+                loss += 1e-3 * x.square().mean()
+            if self.form == "vector":
+                loss = (loss * x.mean((0, 1))).sum()
             return (logits, loss, x) if self.form == "hidden" else (logits, loss)
 
 
-@pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast"])
+@pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast", "auxiliary", "vector"])
 def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str) -> None:
     """The weight given by keyword after the bias is the weight (it was taken for the
     bias); the head's input returned too is handed to the loss priced (its view was not,
     and the head went unpriced); a strided head input is copied in the graph, where the
     plan prices the copy; under autocast the head's float32 weight meets bfloat16
     logits, so the graph compiles as it is (run after it with autocast off, the head
-    multiplied bfloat16 by float32 and failed)."""
+    multiplied bfloat16 by float32 and failed). A loss scaled and added to runs so
+    after the chunks; scaled by more than a scalar, the graph compiles as it is."""
     torch.manual_seed(0)
     model = Head(form).train()
     idx = torch.randint(0, 1024, (4, 64))
@@ -213,11 +226,11 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
         return logits, loss.detach(), torch.autograd.grad(total, list(m.parameters())), *hidden
 
     expected = step(copy.deepcopy(model))
-    backend = optremat.compile_backend(0.9 if form == "autocast" else 0.5, inner="aot_eager", time_limit=5)
+    chunked = form not in ("autocast", "vector")
+    backend = optremat.compile_backend(0.5 if chunked else 1.0, inner="aot_eager", time_limit=5)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     got = step(compiled)
     _same(expected, got)
-    chunked = form != "autocast"
     assert (got[0] is None) == chunked and (backend.plans[0].chunking is not None) == chunked
     if form == "hidden":
         torch.testing.assert_close(got[3], expected[3])

@@ -6,14 +6,16 @@ torch.compile one graph computing the whole logits. `split_own_loss` finds that 
 loss at the end of the graph dynamo hands the backend: an `F.linear` at least
 `WIDENING` times wider than its input, its logits read only by a flattening (after a
 cast to float32 where they are not in it, as transformers' loss casts them) and that
-cross-entropy (and returned), the loss only returned: nanoGPT's, and a transformers
-Llama's own loss compiled whole, without `num_items_in_batch`. Its `prefix` is the graph
-without them, returning the head's input and the targets besides; its `loss` is the
-`CausalLMLoss` over the head's weight that computes the same loss from them, for the
-backend to plan the prefix with (its chunks chosen with the plan,
-`Partitioner._chunked`); `run` runs the compiled prefix, then that loss in the chunks
-chosen, and returns what the graph returns, the logits None (the loss alone read
-them, as `CausalLMLoss` and the native runtime's deferred head return them).
+cross-entropy (and returned), the loss returned, or scaled or added to by scalars on
+the way (divided by `num_items_in_batch`, an auxiliary loss added): nanoGPT's, and a
+transformers Llama's own loss compiled whole. Its `prefix` is the graph without them,
+returning the head's input and the targets besides; its `loss` is the `CausalLMLoss`
+over the head's weight that computes the same loss from them, for the backend to plan
+the prefix with (its chunks chosen with the plan, `Partitioner._chunked`); `run` runs
+the compiled prefix, then that loss in the chunks chosen, then the graph's nodes after
+the loss (its `suffix`, uncompiled: scalar work), and returns what the graph returns,
+the logits None (the loss alone read them, as `CausalLMLoss` and the native runtime's
+deferred head return them).
 """
 
 from __future__ import annotations
@@ -31,24 +33,22 @@ from optremat.tracing.deferred_head import WIDENING
 from optremat.tracing.lm_loss import CausalLMLoss, cross_entropy_arguments, loss_options
 
 _FLATTENING = ("view", "reshape", "flatten")
-LOGITS, LOSS, HIDDEN = "logits", "loss", "hidden"
-"""Places in a graph's outputs of the logits and the loss taken out of it, and of the
-head's input."""
 
 
 @dataclass(frozen=True)
 class OwnLoss:
     """A graph's head and loss taken out of it (`split_own_loss`): `prefix` computes the
-    rest; `weight` and `bias` index the graph's inputs holding the head's; `options` are
-    the `CausalLMLoss` options computing the loss; `outputs` lays out the graph's
-    outputs: LOGITS, LOSS, HIDDEN, or the index of the prefix's output after the head's
-    input and the targets."""
+    rest, returning the head's input, the targets and what `suffix` reads; `suffix` takes
+    the loss, the head's input, those and the call's arguments and returns the graph's
+    outputs (the loss scaled or added to where the graph does so, the logits None);
+    `weight` and `bias` index the graph's inputs holding the head's; `options` are the
+    `CausalLMLoss` options computing the loss."""
 
     prefix: fx.GraphModule
+    suffix: fx.GraphModule
     weight: int
     bias: int | None
     options: dict[str, Any]
-    outputs: tuple[int | str, ...]
 
     def loss(self, example_inputs: Sequence[Any], labels: torch.Tensor, chunks: Any) -> CausalLMLoss:
         """The loss over the head's weight and bias in `example_inputs` (a call's
@@ -65,14 +65,13 @@ class OwnLoss:
 
     def run(self, prefix: Callable[..., Any], chunks: int | None) -> Callable[..., Any]:
         """What runs the compiled `prefix`, then the loss in `chunks` token chunks (None:
-        whole), and returns the graph's outputs with the logits None."""
+        whole), then the suffix, returning the graph's outputs with the logits None."""
 
-        def step(*args: Any) -> list[Any]:
-            hidden, target, *rest = prefix(*args)
+        def step(*args: Any) -> Any:
+            hidden, target, *read = prefix(*args)
             with torch.autocast(hidden.device.type, enabled=False):  # the graph's head ran in its weight's dtype
                 loss = self.loss(args, target.reshape(hidden.shape[:-1]), chunks)(hidden)
-            named = {LOGITS: None, LOSS: loss, HIDDEN: hidden}
-            return [named[at] if isinstance(at, str) else rest[at] for at in self.outputs]
+            return self.suffix(loss, hidden, *read, *args)
 
         return step
 
@@ -86,52 +85,85 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     results = output.args[0]
     if not isinstance(results, (tuple, list)):
         return None
-    found = [_head_and_loss(n, output) for n in results if isinstance(n, fx.Node)]
-    found = [f for f in found if f is not None]
+    found = {}
+    for node in gm.graph.nodes:
+        head = _head_and_loss(node, output) if node.op == "call_function" and node.target is F.cross_entropy else None
+        if head is not None:
+            found[node] = head
     if len(found) != 1:
         return None
-    loss, taken, (hidden, weight, bias), target, options = found[0]
+    loss, (taken, (hidden, weight, bias), target, options, tail) = next(iter(found.items()))
     logits = taken[-1]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if weight not in placeholders or (bias is not None and bias not in placeholders):
         return None
     value = hidden.meta["example_value"]
     dense = value.is_contiguous()
-    kept = [r for r in results if r is not loss and r is not logits and not (dense and r is hidden)]
+    dropped = {loss, logits, *tail, *([hidden] if dense else [])}
+    read = [r for r in results if isinstance(r, fx.Node) and r not in dropped]
+    read += [n for t in tail for n in t.all_input_nodes if n not in dropped and n not in placeholders]
+    read = list(dict.fromkeys(read))
     storage = StorageWeakRef(value.untyped_storage())
     if (options is None or not isinstance(example_inputs[placeholders.index(weight)], torch.Tensor)
-            or any(isinstance(r, fx.Node) and isinstance(r.meta.get("example_value"), torch.Tensor)
-                   and StorageWeakRef(r.meta["example_value"].untyped_storage()) == storage for r in kept)):
+            or any(isinstance(r.meta.get("example_value"), torch.Tensor)
+                   and StorageWeakRef(r.meta["example_value"].untyped_storage()) == storage for r in read)):
         return None
+    prefix, handed = _prefix(gm, (*reversed(tail), loss, *taken), hidden, target, read)
+    suffix = _suffix(gm, loss, hidden if dense else None, logits, tail, read, placeholders)
+    split = OwnLoss(prefix, suffix, placeholders.index(weight), None if bias is None else placeholders.index(bias),
+                    options)
+    return split, handed
+
+
+def _prefix(gm: fx.GraphModule, taken: Sequence[fx.Node], hidden: fx.Node, target: fx.Node,
+            read: Sequence[fx.Node]) -> tuple[fx.GraphModule, torch.Tensor]:
+    """`gm` without the nodes `taken` (each before those it reads), returning the head's input (2-d where it is not
+    dense: copied inside the graph, where the plan prices it, not by the loss after it),
+    the targets and `read`; and the example value of the head's input it returns."""
     graph = fx.Graph()
     copied: dict[fx.Node, fx.Node] = {}
     graph.graph_copy(gm.graph, copied)
-    handed, handed_value = copied[hidden], value
-    if not dense:  # copied inside the graph, where the plan prices it, not by the loss after it
+    handed, value = copied[hidden], hidden.meta["example_value"]
+    if not value.is_contiguous():
         rows = value.shape[:-1].numel()
         handed = graph.call_method("reshape", (handed, rows, value.shape[-1]))
-        handed.meta["example_value"] = handed_value = value.reshape(rows, value.shape[-1])
-    graph.output((handed, copied[target], *(copied[r] if isinstance(r, fx.Node) else r for r in kept)))
-    for node in (loss, *taken):
+        handed.meta["example_value"] = value = value.reshape(rows, value.shape[-1])
+    graph.output((handed, copied[target], *(copied[r] for r in read)))
+    for node in taken:
         graph.erase_node(copied[node])
     graph.lint()
     prefix = fx.GraphModule(gm, graph)
     prefix.meta.update(gm.meta)
-    layout, rest = [], iter(range(len(kept)))
-    for r in results:
-        layout.append(LOSS if r is loss else LOGITS if r is logits else HIDDEN if dense and r is hidden else next(rest))
-    split = OwnLoss(prefix, placeholders.index(weight), None if bias is None else placeholders.index(bias), options,
-                    tuple(layout))
-    return split, handed_value
+    return prefix, value
+
+
+def _suffix(gm: fx.GraphModule, loss: fx.Node, hidden: fx.Node | None, logits: fx.Node, tail: Sequence[fx.Node],
+            read: Sequence[fx.Node], placeholders: Sequence[fx.Node]) -> fx.GraphModule:
+    """The graph taking the loss, the head's input (`hidden`, None where the graph does
+    not return it as the prefix hands it), `read` and `gm`'s arguments, running the
+    `tail` of nodes after the loss, and returning `gm`'s outputs with the logits None."""
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {logits: None}
+    named = [("loss", loss), ("head_input", hidden), *((f"read_{i}", n) for i, n in enumerate(read)),
+             *((f"argument_{i}", n) for i, n in enumerate(placeholders))]
+    for name, node in named:
+        env[node] = graph.placeholder(name)
+    for node in tail:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    graph.output(fx.map_arg(output.args[0], lambda n: env[n]))
+    graph.lint()
+    return fx.GraphModule(gm, graph)
 
 
 def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
     """Where `loss` is a cross-entropy over an LM head's logits, flattened and in float32
-    (cast to it, or as computed), read by nothing else (but the output): the loss, the
-    nodes from the flattening up to the logits, the head's input, weight and bias, the
-    targets, and the `CausalLMLoss` options of the loss (None where it has none); else
-    None."""
-    if loss.op != "call_function" or loss.target is not F.cross_entropy or set(loss.users) != {output}:
+    (cast to it, or as computed), read by nothing else (but the output), and the loss is
+    returned, or scaled or added to on the way (`_tail`): the nodes from the flattening
+    up to the logits, the head's input, weight and bias, the targets, the `CausalLMLoss`
+    options of the loss (None where it has none) and the tail; else None."""
+    tail = _tail(loss, output)
+    if tail is None:
         return None
     given = cross_entropy_arguments(loss.args, loss.kwargs)
     flat, target = given["input"], given["target"]
@@ -157,8 +189,37 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
             or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
             or targets.shape != rows.shape[:1] or targets.dtype not in (torch.long, torch.uint8)):
         return None
-    return (loss, [flat, *casts, logits], (hidden, weight, bias if isinstance(bias, fx.Node) else None), target,
-            loss_options(given))
+    return ([flat, *casts, logits], (hidden, weight, bias if isinstance(bias, fx.Node) else None), target,
+            loss_options(given), tail)
+
+
+def _tail(loss: fx.Node, output: fx.Node) -> list[fx.Node] | None:
+    """The nodes computed from `loss` on its way to the output, in graph order: the loss
+    divided by `num_items_in_batch`, or an auxiliary loss added to it; None where one of
+    them, or a value one of them reads, is more than a scalar tensor (the suffix running
+    them is not priced), or is not a function's or a method's, or where none of them is
+    returned."""
+    tail: dict[fx.Node, None] = {}
+    reached = [loss]
+    while reached:
+        for user in reached.pop().users:
+            if user is not output and user not in tail:
+                tail[user] = None
+                reached.append(user)
+    if not any(output in n.users for n in (loss, *tail)):
+        return None
+    for node in tail:
+        if node.op not in ("call_function", "call_method") or not all(
+                _scalar(n) for n in (node, *node.all_input_nodes) if n is not loss):
+            return None
+    order = {n: i for i, n in enumerate(loss.graph.nodes)}
+    return sorted(tail, key=order.__getitem__)
+
+
+def _scalar(node: fx.Node) -> bool:
+    """Whether `node`'s value is a tensor of at most one element."""
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.numel() <= 1
 
 
 def _symbolic(t: torch.Tensor) -> bool:
