@@ -20,7 +20,7 @@ from torch._prims_common import suggest_memory_format
 from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry
 
-from optremat.tracing.onednn import (RNN_SCRATCH, channels_last_convolution_backward_workspace,
+from optremat.tracing.onednn import (MATMUL_SCRATCH, RNN_SCRATCH, channels_last_convolution_backward_workspace,
                                      plain_convolution_backward_weight_bytes)
 from optremat.tracing.slow_convolution import slow_convolution_workspace
 
@@ -328,7 +328,8 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     forward two per-channel vectors (three in training on a 2-D input); a layer norm's
     backward that computes the weight or bias gradient two vectors of the normalized
     shape (any dtype; torch 2.13). A oneDNN RNN layer's backward, what it was measured to
-    take (`onednn.size_rnn_workspaces`). A loss kernel's elementwise losses before it
+    take (`onednn.size_rnn_workspaces`), a bfloat16 or float16 matrix product its
+    packed operands (`onednn.size_matmul_scratch`). A loss kernel's elementwise losses before it
     reduces them (`LOSS_SCRATCH`), a soft margin loss's backward two of its input's
     size (any device: ATen builds it of other ops). On a CPU, a dropout's backward the
     masked gradient before it scales it (a tensor of its output's size).
@@ -337,6 +338,8 @@ def workspace_bytes(node: torch.fx.Node, cpu: bool = True) -> int:
     value = lambda k: node.args[k].meta.get("val")  # noqa: E731
     if RNN_SCRATCH in node.meta:
         return node.meta[RNN_SCRATCH]
+    if cpu and MATMUL_SCRATCH in node.meta:
+        return node.meta[MATMUL_SCRATCH]
     if cpu and packet in (aten.convolution, aten.convolution_backward):
         slow = slow_convolution_workspace(node)
         if slow is not None:

@@ -50,7 +50,7 @@ from optremat.tracing.inputs import Call, call_of, differentiated, own_loss
 from optremat.tracing.kv_cache import cache_tensors, is_cache, receives_cache
 from optremat.tracing.leaks import swept, traced_in
 from optremat.tracing.lm_loss import standing_in
-from optremat.tracing.onednn import size_rnn_workspaces
+from optremat.tracing.onednn import size_matmul_scratch, size_rnn_workspaces
 from optremat.tracing.repeat import expanded, hooks_kept, repeated_blocks, shortened
 from optremat.tracing.traced import Traced
 
@@ -1188,8 +1188,11 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
     survive the step (`results`), and which nodes run in the backward. Sizes and aliases
     come from the fake tensors in `node.meta["val"]`, but for the ops `written_into` maps
     to the input they run in place over (`accumulated_in_place`); `cpu` prices the CPU's
-    own kernels' scratch (`costs.workspace_bytes`)."""
+    own kernels' scratch (`costs.workspace_bytes`, the low-precision matrix products'
+    measured by running them: `onednn.size_matmul_scratch`)."""
     written_into = written_into or {}
+    if cpu:
+        size_matmul_scratch(fx_nodes)
     index = {n: i for i, n in enumerate(fx_nodes)}
     owner: dict[StorageWeakRef, int] = {}
     parts: dict[StorageWeakRef, int] = {}
