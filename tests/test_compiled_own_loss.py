@@ -151,22 +151,23 @@ def test_a_bfloat16_head_whose_logits_the_loss_casts_runs_in_chunks() -> None:
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (measured, plan.summary())
 
 
-@pytest.mark.parametrize("counted", [False, True])
-def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks(counted: bool) -> None:
+@pytest.mark.parametrize("form", ["llama", "counted", "gemma2"])
+def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks(form: str) -> None:
     """transformers' loss casts the logits to float32 before flattening them: a Llama
     compiled as it is, called with labels, runs its head and loss after the graph in
     chunks, with the eager model's loss and gradients, at its predicted peak; also
     with `num_items_in_batch`, as `transformers.Trainer` passes it (the loss summed,
-    then divided by it inside the graph)."""
+    then divided by it inside the graph), and a Gemma 2, its logits capped."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    model = transformers.LlamaForCausalLM(config).train()
+    sizes = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, use_cache=False)
+    model = (transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes, head_dim=16)) if form == "gemma2"
+             else transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))).train()
     ids = torch.randint(0, 2048, (4, 64))
     labels = ids.clone()
     labels[0, :10] = -100
-    counts = {"num_items_in_batch": (labels[:, 1:] != -100).sum()} if counted else {}
+    counts = {"num_items_in_batch": (labels[:, 1:] != -100).sum()} if form == "counted" else {}
     reference = copy.deepcopy(model)
 
     def step(m: torch.nn.Module) -> tuple:
@@ -190,13 +191,16 @@ class Head(torch.nn.Module):
     the last, against the next tokens; "autocast" runs under bfloat16 autocast, the
     head's weight float32, the logits cast to float32 for the loss; "no_grad" takes the
     loss without gradients; "auxiliary" halves the loss and adds an auxiliary loss to it
-    in place (as Mixtral adds its router's); "vector" scales it by a vector, then sums."""
+    in place (as Mixtral adds its router's); "vector" scales it by a vector, then sums;
+    "capped" caps the logits as Gemma 2 does, "capped_bfloat16" so in bfloat16."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
         self.form = form
         self.emb, self.fc, self.head = (torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 64),
                                         torch.nn.Linear(64, 1024))
+        if form == "capped_bfloat16":
+            self.to(torch.bfloat16)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.form == "autocast"):
@@ -205,6 +209,8 @@ class Head(torch.nn.Module):
                 x, targets = x[:, :-1], targets[:, 1:]
             with torch.set_grad_enabled(self.form != "no_grad"):
                 logits = torch.nn.functional.linear(x, bias=self.head.bias, weight=self.head.weight)
+                if self.form.startswith("capped"):
+                    logits = torch.tanh(logits / 30.0) * 30.0
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 1024), targets.reshape(-1))
             if self.form == "auxiliary":
                 loss = loss * 0.5
@@ -214,7 +220,8 @@ class Head(torch.nn.Module):
             return (logits, loss, x) if self.form == "hidden" else (logits, loss)
 
 
-@pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast", "auxiliary", "vector"])
+@pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast", "auxiliary", "vector", "capped",
+                                  "capped_bfloat16"])
 def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str) -> None:
     """The weight given by keyword after the bias is the weight (it was taken for the
     bias); the head's input returned too is handed to the loss priced (its view was not,
@@ -222,7 +229,9 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
     plan prices the copy; under autocast the head's float32 weight meets bfloat16
     logits, so the graph compiles as it is (run after it with autocast off, the head
     multiplied bfloat16 by float32 and failed). A loss scaled and added to runs so
-    after the chunks; scaled by more than a scalar, the graph compiles as it is."""
+    after the chunks; scaled by more than a scalar, the graph compiles as it is. Logits
+    capped in float32 are capped so in the chunks; capped in bfloat16, the graph
+    compiles as it is (the chunks cap float32 logits)."""
     torch.manual_seed(0)
     model = Head(form).train()
     idx = torch.randint(0, 1024, (4, 64))
@@ -233,7 +242,7 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
         return logits, loss.detach(), torch.autograd.grad(total, list(m.parameters())), *hidden
 
     expected = step(copy.deepcopy(model))
-    chunked = form not in ("autocast", "vector")
+    chunked = form not in ("autocast", "vector", "capped_bfloat16")
     backend = optremat.compile_backend(0.5 if chunked else 1.0, inner="aot_eager", time_limit=5)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     got = step(compiled)

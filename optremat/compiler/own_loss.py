@@ -4,8 +4,9 @@ A model that takes its loss in its forward (nanoGPT's `logits = self.lm_head(x)`
 `F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))`) hands
 torch.compile one graph computing the whole logits. `split_own_loss` finds that head and
 loss at the end of the graph dynamo hands the backend: an `F.linear` at least
-`WIDENING` times wider than its input, its logits read only by a flattening (after a
-cast to float32 where they are not in it, as transformers' loss casts them) and that
+`WIDENING` times wider than its input, its logits (capped, as Gemma 2 caps them, where
+they are in float32) read only by a flattening (after a cast to float32 where they are
+not in it, as transformers' loss casts them) and that
 cross-entropy (and returned), the loss returned, or scaled or added to by scalars on
 the way (divided by `num_items_in_batch`, an auxiliary loss added): nanoGPT's, and a
 transformers Llama's own loss compiled whole. Its `prefix` is the graph without them,
@@ -20,6 +21,7 @@ deferred head return them).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -92,8 +94,7 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
             found[node] = head
     if len(found) != 1:
         return None
-    loss, (taken, (hidden, weight, bias), target, options, tail) = next(iter(found.items()))
-    logits = taken[-1]
+    loss, (taken, logits, (hidden, weight, bias), target, options, tail) = next(iter(found.items()))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if weight not in placeholders or (bias is not None and bias not in placeholders):
         return None
@@ -157,11 +158,12 @@ def _suffix(gm: fx.GraphModule, loss: fx.Node, hidden: fx.Node | None, logits: f
 
 
 def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
-    """Where `loss` is a cross-entropy over an LM head's logits, flattened and in float32
-    (cast to it, or as computed), read by nothing else (but the output), and the loss is
-    returned, or scaled or added to on the way (`_tail`): the nodes from the flattening
-    up to the logits, the head's input, weight and bias, the targets, the `CausalLMLoss`
-    options of the loss (None where it has none) and the tail; else None."""
+    """Where `loss` is a cross-entropy over an LM head's logits, capped or not (`_softcap`),
+    flattened and in float32 (cast to it, or as computed), read by nothing else (but the
+    output), and the loss is returned, or scaled or added to on the way (`_tail`): the
+    nodes from the flattening up to the head, the logits it may return, the head's input,
+    weight and bias, the targets, the `CausalLMLoss` options of the loss (None where it
+    has none) and the tail; else None."""
     tail = _tail(loss, output)
     if tail is None:
         return None
@@ -175,22 +177,50 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
         casts.append(casts[-1].args[0])
     logits, casts = casts[-1], casts[:-1]
     after = casts[-1] if casts else flat
-    if logits.op != "call_function" or logits.target is not F.linear or not set(logits.users) <= {after, output}:
+    if not set(logits.users) <= {after, output}:
         return None
-    hidden, weight, bias = (logits.args[i] if len(logits.args) > i else logits.kwargs.get(name)
+    capping, softcap = _softcap(logits) or ([], None)
+    linear = capping[-1].args[0] if capping else logits
+    if (linear.op != "call_function" or linear.target is not F.linear
+            or (capping and set(linear.users) != {capping[-1]})):
+        return None
+    hidden, weight, bias = (linear.args[i] if len(linear.args) > i else linear.kwargs.get(name)
                             for i, name in enumerate(("input", "weight", "bias")))
     values = [n.meta.get("example_value") if isinstance(n, fx.Node) else None
-              for n in (logits, hidden, target, flat, weight, loss)]
+              for n in (linear, hidden, target, flat, weight, loss)]
     if not all(isinstance(v, torch.Tensor) for v in values) or any(_symbolic(v) for v in values):
         return None
     out, inputs, targets, rows, head, value = values
     if (rows.dtype != torch.float32 or not out.dtype == inputs.dtype == head.dtype or not inputs.requires_grad
-            or not value.requires_grad
+            or not value.requires_grad or (softcap is not None and out.dtype != torch.float32)
             or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
             or targets.shape != rows.shape[:1] or targets.dtype not in (torch.long, torch.uint8)):
         return None
-    return ([flat, *casts, logits], (hidden, weight, bias if isinstance(bias, fx.Node) else None), target,
-            loss_options(given), tail)
+    options = loss_options(given)
+    if options is not None and softcap is not None:
+        options["softcap"] = softcap
+    return ([flat, *casts, *capping, linear], logits, (hidden, weight, bias if isinstance(bias, fx.Node) else None),
+            target, options, tail)
+
+
+def _softcap(node: fx.Node) -> tuple[list[fx.Node], float] | None:
+    """Where `node` caps logits as Gemma 2 does, `c * tanh(x / c)`: its product, tanh and
+    quotient, each read only by the next, and c; else None. The loss caps them so in
+    float32 (`CausalLMLoss(softcap=c)`), so only float32 logits are taken out with it."""
+    if node.op != "call_function" or node.target not in (operator.mul, torch.mul) or len(node.args) != 2:
+        return None
+    tanh, cap = node.args if isinstance(node.args[0], fx.Node) else node.args[::-1]
+    if (not isinstance(tanh, fx.Node) or set(tanh.users) != {node} or not isinstance(cap, (int, float))
+            or isinstance(cap, bool) or cap <= 0
+            or not ((tanh.op == "call_function" and tanh.target is torch.tanh)
+                    or (tanh.op == "call_method" and tanh.target == "tanh"))):
+        return None
+    quotient = tanh.args[0]
+    if (not isinstance(quotient, fx.Node) or quotient.op != "call_function" or set(quotient.users) != {tanh}
+            or quotient.target not in (operator.truediv, torch.div) or quotient.kwargs
+            or len(quotient.args) != 2 or not isinstance(quotient.args[0], fx.Node) or quotient.args[1] != cap):
+        return None
+    return [node, tanh, quotient], float(cap)
 
 
 def _tail(loss: fx.Node, output: fx.Node) -> list[fx.Node] | None:
