@@ -192,7 +192,8 @@ class Head(torch.nn.Module):
     head's weight float32, the logits cast to float32 for the loss; "no_grad" takes the
     loss without gradients; "auxiliary" halves the loss and adds an auxiliary loss to it
     in place (as Mixtral adds its router's); "vector" scales it by a vector, then sums;
-    "capped" caps the logits as Gemma 2 does, "capped_bfloat16" so in bfloat16."""
+    "capped" caps the logits as Gemma 2 does, "capped_bfloat16" so in bfloat16; "logged"
+    also returns the loss doubled without gradients."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -217,11 +218,14 @@ class Head(torch.nn.Module):
                 loss += 1e-3 * x.square().mean()
             if self.form == "vector":
                 loss = (loss * x.mean((0, 1))).sum()
+            if self.form == "logged":
+                with torch.no_grad():
+                    return logits, loss, loss * 2
             return (logits, loss, x) if self.form == "hidden" else (logits, loss)
 
 
 @pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast", "auxiliary", "vector", "capped",
-                                  "capped_bfloat16"])
+                                  "capped_bfloat16", "logged"])
 def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str) -> None:
     """The weight given by keyword after the bias is the weight (it was taken for the
     bias); the head's input returned too is handed to the loss priced (its view was not,
@@ -231,7 +235,8 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
     multiplied bfloat16 by float32 and failed). A loss scaled and added to runs so
     after the chunks; scaled by more than a scalar, the graph compiles as it is. Logits
     capped in float32 are capped so in the chunks; capped in bfloat16, the graph
-    compiles as it is (the chunks cap float32 logits)."""
+    compiles as it is (the chunks cap float32 logits). So does a graph computing from
+    the loss without gradients (run after the chunks, that took gradients)."""
     torch.manual_seed(0)
     model = Head(form).train()
     idx = torch.randint(0, 1024, (4, 64))
@@ -242,14 +247,15 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
         return logits, loss.detach(), torch.autograd.grad(total, list(m.parameters())), *hidden
 
     expected = step(copy.deepcopy(model))
-    chunked = form not in ("autocast", "vector", "capped_bfloat16")
+    chunked = form not in ("autocast", "vector", "capped_bfloat16", "logged")
     backend = optremat.compile_backend(0.5 if chunked else 1.0, inner="aot_eager", time_limit=5)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     got = step(compiled)
     _same(expected, got)
     assert (got[0] is None) == chunked and (backend.plans[0].chunking is not None) == chunked
-    if form == "hidden":
+    if form in ("hidden", "logged"):
         torch.testing.assert_close(got[3], expected[3])
+        assert got[3].requires_grad == expected[3].requires_grad
     if chunked:
         plan = backend.plans[0]
         measured = measure_peak(lambda: step(compiled), resident=[list(model.parameters()), idx]).peak_bytes

@@ -227,8 +227,9 @@ def _tail(loss: fx.Node, output: fx.Node) -> list[fx.Node] | None:
     """The nodes computed from `loss` on its way to the output, in graph order: the loss
     divided by `num_items_in_batch`, or an auxiliary loss added to it; None where one of
     them, or a value one of them reads, is more than a scalar tensor (the suffix running
-    them is not priced), or is not a function's or a method's, or where none of them is
-    returned."""
+    them is not priced), or is not a function's or a method's, where none of them is
+    returned, or where they do not all run with gradients and nothing else set
+    (`_run_as_suffix`), as the suffix runs them."""
     tail: dict[fx.Node, None] = {}
     reached = [loss]
     while reached:
@@ -236,14 +237,39 @@ def _tail(loss: fx.Node, output: fx.Node) -> list[fx.Node] | None:
             if user is not output and user not in tail:
                 tail[user] = None
                 reached.append(user)
-    if not any(output in n.users for n in (loss, *tail)):
+    nodes = list(loss.graph.nodes)
+    if not any(output in n.users for n in (loss, *tail)) or not _run_as_suffix(tail, nodes, loss):
         return None
     for node in tail:
         if node.op not in ("call_function", "call_method") or not all(
                 _scalar(n) for n in (node, *node.all_input_nodes) if n is not loss):
             return None
-    order = {n: i for i, n in enumerate(loss.graph.nodes)}
-    return sorted(tail, key=order.__getitem__)
+    return sorted(tail, key=nodes.index)
+
+
+def _run_as_suffix(tail: Sequence[fx.Node], nodes: Sequence[fx.Node], loss: fx.Node) -> bool:
+    """Whether the graph's `nodes` run its `tail` as the suffix runs it: with gradients
+    (as at the loss), outside any autocast enabled, and with nothing else set after the
+    loss (a call returning no tensor, read by nothing)."""
+    enabled, casting, after = True, [], False
+    for node in nodes:
+        if node.op != "call_function":
+            pass
+        elif node.target is torch.amp.autocast_mode._enter_autocast:
+            casting.append(bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("enabled", True)))
+        elif node.target is torch.amp.autocast_mode._exit_autocast:
+            if not casting:  # entered before the graph: its state is not read here
+                return False
+            casting.pop()
+        elif node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        elif after and not node.users and not isinstance(node.meta.get("example_value"), torch.Tensor):
+            return False
+        if node in tail and not (enabled and not any(casting)):
+            return False
+        if node is loss:
+            enabled, after = True, True
+    return True
 
 
 def _scalar(node: fx.Node) -> bool:
