@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import optremat
+from optremat.compiler import backend as backend_module
 from optremat.compiler.backend import Backend
 from optremat.runtime.measure import measure_peak
 from optremat.tracing.lm_loss import install
 from tests.test_deferred_head import NanoGPT, _batch
 
 COMPILED = Backend._compiled
+SPLIT = backend_module.split_own_loss
 
 
 @pytest.fixture(autouse=True)
@@ -203,13 +205,16 @@ class Head(torch.nn.Module):
     loss without gradients; "auxiliary" halves the loss and adds an auxiliary loss to it
     in place (as Mixtral adds its router's); "vector" scales it by a vector, then sums;
     "capped" caps the logits as Gemma 2 does, "capped_bfloat16" so in bfloat16; "logged"
-    also returns the loss doubled without gradients."""
+    also returns the loss doubled without gradients; "baseline" subtracts a running
+    baseline from the loss, then updates it with the loss; "accuracy" reads the logits
+    again after a graph break."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
         self.form = form
         self.emb, self.fc, self.head = (torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 64),
                                         torch.nn.Linear(64, 1024))
+        self.register_buffer("baseline", torch.tensor(5.0))
         if form == "capped_bfloat16":
             self.to(torch.bfloat16)
 
@@ -231,12 +236,20 @@ class Head(torch.nn.Module):
             if self.form == "logged":
                 with torch.no_grad():
                     return logits, loss, loss * 2
+            if self.form == "baseline":
+                advantage = loss - self.baseline
+                self.baseline.mul_(0.9).add_(0.1 * loss.detach())
+                return logits, advantage, self.baseline.clone()
+            if self.form == "accuracy":
+                torch._dynamo.graph_break()
+                return logits, loss, (logits.argmax(-1) == targets).float().mean()
             return (logits, loss, x) if self.form == "hidden" else (logits, loss)
 
 
 @pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast", "auxiliary", "vector", "capped",
-                                  "capped_bfloat16", "logged"])
-def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str) -> None:
+                                  "capped_bfloat16", "logged", "baseline", "accuracy"])
+def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str,
+                                                                                       monkeypatch) -> None:
     """The weight given by keyword after the bias is the weight (it was taken for the
     bias); the head's input returned too is handed to the loss priced (its view was not,
     and the head went unpriced); a strided head input is copied in the graph, where the
@@ -246,7 +259,10 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
     after the chunks; scaled by more than a scalar, the graph compiles as it is. Logits
     capped in float32 are capped so in the chunks; capped in bfloat16, the graph
     compiles as it is (the chunks cap float32 logits). So does a graph computing from
-    the loss without gradients (run after the chunks, that took gradients)."""
+    the loss without gradients (run after the chunks, that took gradients), one
+    updating a buffer with the loss that it also reads (run after the chunks, the read
+    and the update were reordered), and one returning its logits to the rest of a
+    forward cut by a graph break (which read None)."""
     torch.manual_seed(0)
     model = Head(form).train()
     idx = torch.randint(0, 1024, (4, 64))
@@ -257,13 +273,17 @@ def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as
         return logits, loss.detach(), torch.autograd.grad(total, list(m.parameters())), *hidden
 
     expected = step(copy.deepcopy(model))
-    chunked = form not in ("autocast", "vector", "capped_bfloat16", "logged")
+    chunked = form not in ("autocast", "vector", "capped_bfloat16", "logged", "baseline", "accuracy")
+    splits = []
+    monkeypatch.setattr(backend_module, "split_own_loss",
+                        lambda gm, inputs: splits.append(SPLIT(gm, inputs)) or splits[-1])
     backend = optremat.compile_backend(0.5 if chunked else 1.0, inner="aot_eager", time_limit=5)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     got = step(compiled)
     _same(expected, got)
     assert (got[0] is None) == chunked and (backend.plans[0].chunking is not None) == chunked
-    if form in ("hidden", "logged"):
+    assert any(split is not None for split in splits) == chunked
+    if form in ("hidden", "logged", "baseline", "accuracy"):
         torch.testing.assert_close(got[3], expected[3])
         assert got[3].requires_grad == expected[3].requires_grad
     if chunked:
@@ -321,3 +341,34 @@ def test_a_graph_returning_its_own_loss_beside_its_logits_is_priced_with_that_lo
     measured = measure_peak(lambda: _step(compiled, idx, targets),
                             resident=[list(model.parameters()), idx, targets]).peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (measured, plan.summary())
+
+
+class Counted(torch.nn.Module):
+    """A loss summed and divided by a count handed in, as transformers' loss divides by
+    `num_items_in_batch`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.head = (torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 64),
+                                        torch.nn.Linear(64, 1024))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, count: torch.Tensor) -> tuple:
+        logits = self.head(torch.tanh(self.fc(self.emb(idx))))
+        summed = torch.nn.functional.cross_entropy(logits.view(-1, 1024), targets.view(-1), reduction="sum")
+        return logits, summed / count
+
+
+def test_a_summed_loss_over_no_label_divided_by_a_count_of_0_takes_no_gradient_as_eager() -> None:
+    """Every label ignored and a count of 0: the loss is nan and every gradient 0, as
+    eager's (the chunks' gradients were scaled by the division's infinite gradient, so
+    were nan)."""
+    torch.manual_seed(0)
+    model = Counted().train()
+    idx, ignored = torch.randint(0, 1024, (4, 64)), torch.full((4, 64), -100)
+    reference = copy.deepcopy(model)
+    expected = torch.autograd.grad(reference(idx, ignored, torch.tensor(0))[1], list(reference.parameters()))
+    backend = optremat.compile_backend(0.5, inner="aot_eager", solver="dtr", time_limit=5)
+    logits, loss = torch.compile(model, backend=backend, dynamic=False)(idx, ignored, torch.tensor(0))
+    assert logits is None and backend.plans[0].chunking.chunks is not None and loss.isnan()
+    for got, want in zip(torch.autograd.grad(loss, list(model.parameters())), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

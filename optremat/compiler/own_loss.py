@@ -80,9 +80,10 @@ class OwnLoss:
 
 def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[OwnLoss, torch.Tensor] | None:
     """The head and loss at the end of `gm` taken out of it, and the head input's example
-    value; None where the graph has none (or its loss takes no gradient), or where the head's
+    value; None where the graph has none (or its loss takes no gradient), where the head's
     input shares its storage with another output (a view of it is not handed to the loss
-    the prefix is priced with, so it would not be priced)."""
+    the prefix is priced with, so it would not be priced), or where the graph returns the
+    logits to the rest of a forward a graph break cut (`_continued`)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = output.args[0]
     if not isinstance(results, (tuple, list)):
@@ -95,6 +96,8 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     if len(found) != 1:
         return None
     loss, (taken, logits, (hidden, weight, bias), target, options, tail) = next(iter(found.items()))
+    if logits in results and _continued(gm):
+        return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if weight not in placeholders or (bias is not None and bias not in placeholders):
         return None
@@ -114,6 +117,13 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     split = OwnLoss(prefix, suffix, placeholders.index(weight), None if bias is None else placeholders.index(bias),
                     options)
     return split, handed
+
+
+def _continued(gm: fx.GraphModule) -> bool:
+    """Whether dynamo ended `gm` at a graph break (or does not say), so that its outputs
+    feed the rest of the forward, which may read the logits, not only the caller."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    return reason is None or reason.graph_break
 
 
 def _prefix(gm: fx.GraphModule, taken: Sequence[fx.Node], hidden: fx.Node, target: fx.Node,
@@ -229,7 +239,8 @@ def _tail(loss: fx.Node, output: fx.Node) -> list[fx.Node] | None:
     them, or a value one of them reads, is more than a scalar tensor (the suffix running
     them is not priced), or is not a function's or a method's, where none of them is
     returned, or where they do not all run with gradients and nothing else set
-    (`_run_as_suffix`), as the suffix runs them."""
+    (`_run_as_suffix`), as the suffix runs them, or where running them after the rest
+    of the graph reorders a write (`_reorders_writes`)."""
     tail: dict[fx.Node, None] = {}
     reached = [loss]
     while reached:
@@ -238,7 +249,8 @@ def _tail(loss: fx.Node, output: fx.Node) -> list[fx.Node] | None:
                 tail[user] = None
                 reached.append(user)
     nodes = list(loss.graph.nodes)
-    if not any(output in n.users for n in (loss, *tail)) or not _run_as_suffix(tail, nodes, loss):
+    if (not any(output in n.users for n in (loss, *tail)) or not _run_as_suffix(tail, nodes, loss)
+            or _reorders_writes(tail, nodes, loss)):
         return None
     for node in tail:
         if node.op not in ("call_function", "call_method") or not all(
@@ -270,6 +282,48 @@ def _run_as_suffix(tail: Sequence[fx.Node], nodes: Sequence[fx.Node], loss: fx.N
         if node is loss:
             enabled, after = True, True
     return True
+
+
+def _reorders_writes(tail: Sequence[fx.Node], nodes: Sequence[fx.Node], loss: fx.Node) -> bool:
+    """Whether running the `tail` after the rest of the graph would move a write across a
+    read: a tail node writing a tensor from outside the tail (a running baseline updated
+    with the loss), or reading one the graph writes (that baseline, updated before)."""
+    own = {loss, *tail}
+    written = set()
+    for node in nodes:
+        target = _written(node)
+        if target is not None:
+            if node in own and target not in own:
+                return True
+            written.add(_storage(target))
+    return any(_storage(n) in written for node in tail for n in node.all_input_nodes if n not in own)
+
+
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift, operator.imatmul)
+
+
+def _written(node: fx.Node) -> fx.Node | None:
+    """The node whose tensor `node` writes in place (`x.add_(y)`, `x += y`, `out=x`,
+    `inplace=True`), or None."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if (node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
+            or (isinstance(name, str) and name.endswith("_") and not name.startswith("_"))):
+        return first
+    return None
+
+
+def _storage(node: fx.Node) -> Any:
+    """What identifies the storage of `node`'s tensor (the node itself where it has none)."""
+    value = node.meta.get("example_value")
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else node
 
 
 def _scalar(node: fx.Node) -> bool:

@@ -180,7 +180,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total += _chunk(hidden[part], weight, bias, target[part, None], scale[part, None], label_smoothing,
                             softcap, None if grad_hidden is None else grad_hidden[part], grad_weight, grad_bias)
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                              None if grad_bias is None else grad_bias.to(bias.dtype))
+                              None if grad_bias is None else grad_bias.to(bias.dtype), valid)
         return total / (denominator != 0)  # every label ignored: F.cross_entropy's nan, and gradients 0 as its
 
     @staticmethod
@@ -191,7 +191,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                                "(a gradient penalty) cannot run through it; plan with head_chunks=None (or "
                                "CausalLMLoss(chunks=None)) to run the head whole")
         scale = torch.mul if torch._C._autograd._get_current_graph_task_keep_graph() else torch.Tensor.mul_
-        grads = [None if g is None else scale(g, grad_loss) for g in ctx.saved_tensors]
+        grad_hidden, grad_weight, grad_bias, valid = ctx.saved_tensors
+        # an ignored row's gradients are none, not 0 times the loss's: an infinite one (a summed
+        # loss over no label, divided by a count of 0) leaves them 0, as F.cross_entropy does
+        by_any = torch.where(valid.any(), grad_loss, 0)
+        by_row = None if grad_hidden is None else torch.where(valid[:, None], grad_loss, 0).to(grad_hidden.dtype)
+        grads = [None if g is None else scale(g, by) for g, by in
+                 ((grad_hidden, by_row), (grad_weight, by_any), (grad_bias, by_any))]
         return (*grads, None, None, None, None, None, None)
 
 
