@@ -82,8 +82,11 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     """The head and loss at the end of `gm` taken out of it, and the head input's example
     value; None where the graph has none (or its loss takes no gradient), where the head's
     input shares its storage with another output (a view of it is not handed to the loss
-    the prefix is priced with, so it would not be priced), or where the graph returns the
-    logits to the rest of a forward a graph break cut (`_continued`)."""
+    the prefix is priced with, so it would not be priced), where the head's input is one
+    of the graph's or a view of one (a graph break before the head: nothing before it to
+    plan, and AOTAutograd hands no output aliasing an input to the loss priced), or where
+    the graph returns the logits to the rest of a forward a graph break cut
+    (`_continued`)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = output.args[0]
     if not isinstance(results, (tuple, list)):
@@ -99,7 +102,8 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     if logits in results and _continued(gm):
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if weight not in placeholders or (bias is not None and bias not in placeholders):
+    if (weight not in placeholders or (bias is not None and bias not in placeholders)
+            or _storage(hidden) in {_storage(p) for p in placeholders}):
         return None
     value = hidden.meta["example_value"]
     dense = value.is_contiguous()
