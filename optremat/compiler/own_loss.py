@@ -6,10 +6,10 @@ torch.compile one graph computing the whole logits. `split_own_loss` finds that 
 loss at the end of the graph dynamo hands the backend: an `F.linear` at least
 `WIDENING` times wider than its input, its logits (capped, as Gemma 2 caps them, where
 they are in float32) read only by a flattening (after a cast to float32 where they are
-not in it, as transformers' loss casts them) and that
-cross-entropy (and returned), the loss returned, or scaled or added to by scalars on
-the way (divided by `num_items_in_batch`, an auxiliary loss added): nanoGPT's, and a
-transformers Llama's own loss compiled whole. Its `prefix` is the graph without them,
+not in it, as transformers' loss casts them) and that cross-entropy (and returned), the
+loss returned, or scaled or added to by scalars on the way (divided by
+`num_items_in_batch`, an auxiliary loss added): nanoGPT's, and a transformers Llama's
+own loss compiled whole. Its `prefix` is the graph without them,
 returning the head's input and the targets besides; its `loss` is the `CausalLMLoss`
 over the head's weight that computes the same loss from them, for the backend to plan
 the prefix with (its chunks chosen with the plan, `Partitioner._chunked`); `run` runs
@@ -132,9 +132,10 @@ def _continued(gm: fx.GraphModule) -> bool:
 
 def _prefix(gm: fx.GraphModule, taken: Sequence[fx.Node], hidden: fx.Node, target: fx.Node,
             read: Sequence[fx.Node]) -> tuple[fx.GraphModule, torch.Tensor]:
-    """`gm` without the nodes `taken` (each before those it reads), returning the head's input (2-d where it is not
-    dense: copied inside the graph, where the plan prices it, not by the loss after it),
-    the targets and `read`; and the example value of the head's input it returns."""
+    """`gm` without the nodes `taken` (each before those it reads), returning the head's
+    input (2-d where it is not dense: copied inside the graph, where the plan prices it,
+    not by the loss after it), the targets and `read`; and the example value of the
+    head's input it returns."""
     graph = fx.Graph()
     copied: dict[fx.Node, fx.Node] = {}
     graph.graph_copy(gm.graph, copied)

@@ -222,8 +222,8 @@ def size_matmul_scratch(nodes: Iterable[torch.fx.Node]) -> None:
             continue
         values = [n.meta.get("val") for n in node.all_input_nodes]
         if not values or not all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype in _LOW_PRECISION
-                                 for v in values):
-            continue
+                                 and all(type(d) is int for d in (*v.shape, *v.stride())) for v in values):
+            continue  # a size the data decides (a mixture's experts) cannot be run: left unpriced
         key = repr((str(node.target), torch.fx.node.map_aggregate((node.args, node.kwargs), _strided),
                     torch.get_num_threads()))
         if key not in measured:
