@@ -75,12 +75,13 @@ Rows: the unplanned step; transformers' `gradient_checkpointing_enable()`
 (non-reentrant); the step (model and its own loss) under `torch.compile` with PyTorch's
 `activation_memory_budget=0.3` (aot_eager_decomp_partition); optremat planned with no
 `loss_fn` (`head_chunks="auto"`: its own head and loss whole or in token chunks) at each
-of those peaks and at 85%, 70% and 55% of the first; `optremat.compile_causal_lm` with
-`compile_backend` (Inductor) on a copy of the model (its base model compiled, its own
-head and loss run after it in the chunks the plan chooses) at each peer's peak, its
-overhead measured against a copy with its base model compiled by Inductor unplanned and
-the head whole (whose own row is against the eager step). The least
-peaks and step times as for gpt-mini (`python -m benchmarks.chunked`)."""
+of those peaks and at 85%, 70% and 55% of the first; `compile_backend` (Inductor) on a
+copy of the model compiled as it is (`torch.compile(model)`: the graph dynamo hands it
+ends in the head and the model's own loss, which it takes out and runs after the graph
+in the chunks the plan chooses, `optremat.compiler.own_loss`) at each peer's peak, its
+overhead measured against a copy compiled by Inductor unplanned (whose own row is
+against the eager step). The least peaks and step times as for gpt-mini
+(`python -m benchmarks.chunked`)."""
 """The Llama page's description, after its command line."""
 MIXTRAL_PAGE = """The model is the Llama's shape as transformers' `MixtralForCausalLM` (4 experts, 2
 routed per token, transformers' own expert kernels, `output_router_logits=True`, so that
@@ -88,7 +89,11 @@ its loss adds the router's load-balancing loss, as a Mixtral is trained), called
 `model(input_ids=ids, labels=ids)`, its loss its own `outputs.loss`. optremat recognises
 its forward by its code (Mixtral's form in `optremat.tracing.causal_lm.TEMPLATES`) and
 runs its head and loss in the plan's chunks, the router's loss added as the forward adds
-it. Rows as on the Llama's page (`python -m benchmarks.chunked --model llama`)."""
+it. Rows as on the Llama's page (`python -m benchmarks.chunked --model llama`), but for
+the compiled ones: `optremat.compile_causal_lm` with `compile_backend` (Inductor)
+compiles its base model and runs its own head and loss after it in the chunks the plan
+chooses (dynamo breaks a graph of the model as it is before its head, at the routing,
+so there the head would run whole), against its base model compiled by Inductor."""
 """The Mixtral page's description, after its command line."""
 
 Step = Callable[[], Any]
@@ -194,20 +199,25 @@ def gpt(shape: dict[str, int], batch: int, rounds: int, limit: float, device: st
 
 
 def llama(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
-    """The Llama with its own loss, against transformers' own gradient checkpointing."""
-    return causal_lm("LlamaConfig", "LlamaForCausalLM", {}, rounds, limit, cost_model)
+    """The Llama with its own loss, against transformers' own gradient checkpointing; its
+    compiled rows compile the model as it is."""
+    return causal_lm("LlamaConfig", "LlamaForCausalLM", {}, rounds, limit, cost_model, as_it_is=True)
 
 
 def mixtral(rounds: int, limit: float, cost_model: str) -> tuple[list[str], list[list[str]]]:
-    """The Llama's shape as a Mixtral (`benchmarks.native.EXPERTS`) adding its router's loss."""
+    """The Llama's shape as a Mixtral (`benchmarks.native.EXPERTS`) adding its router's loss;
+    its compiled rows compile its base model (`compile_causal_lm`: dynamo breaks the graph
+    before its head at the routing)."""
     return causal_lm("MixtralConfig", "MixtralForCausalLM", {**EXPERTS["mixtral"], "output_router_logits": True},
-                     rounds, limit, cost_model)
+                     rounds, limit, cost_model, as_it_is=False)
 
 
 def causal_lm(config_class: str, model_class: str, extra: dict[str, Any], rounds: int, limit: float,
-              cost_model: str) -> tuple[list[str], list[list[str]]]:
+              cost_model: str, as_it_is: bool) -> tuple[list[str], list[list[str]]]:
     """A transformers causal LM of the Llama's shape (`benchmarks.native.LLAMA`, with
-    `extra` in its config) with its own loss, against transformers' own gradient checkpointing."""
+    `extra` in its config) with its own loss, against transformers' own gradient
+    checkpointing; compiled as it is (`as_it_is`: `torch.compile(model)`, its head and
+    loss taken out of the graph, `compiler.own_loss`) or through `compile_causal_lm`."""
     import transformers
 
     torch.manual_seed(0)
@@ -231,16 +241,19 @@ def causal_lm(config_class: str, model_class: str, extra: dict[str, Any], rounds
 
     whole = torch.compile(lambda: model(**inputs).loss, backend=torch_budget_backend(TORCH_BUDGET))
 
-    def compiled_step(backend: Backend) -> Step:
-        """The step of a copy of the model (its plan installed on it alone) under `compile_causal_lm`."""
-        planned = optremat.compile_causal_lm(copy.deepcopy(model), backend)
-        weights = list(planned.parameters())
-        return lambda: torch.autograd.grad(planned(**inputs).loss, weights)
-
-    unplanned_compiled = copy.deepcopy(model)  # its base model compiled by Inductor, the head whole
-    unplanned_compiled.model = torch.compile(unplanned_compiled.model, backend="inductor", dynamic=False)
-    compiled_weights = list(unplanned_compiled.parameters())
-    inductor_step = lambda: torch.autograd.grad(unplanned_compiled(**inputs).loss, compiled_weights)  # noqa: E731
+    def compiled_step(backend: Backend | str) -> Step:
+        """The step of a copy of the model (its plan installed on it alone), compiled as
+        it is or its base model under `compile_causal_lm` (by Inductor, unplanned)."""
+        copied = copy.deepcopy(model)
+        weights = list(copied.parameters())
+        if as_it_is:
+            run = torch.compile(copied, backend=backend, dynamic=False)
+        elif isinstance(backend, str):  # its base model compiled, the head whole
+            copied.model = torch.compile(copied.model, backend=backend, dynamic=False)
+            run = copied
+        else:
+            run = optremat.compile_causal_lm(copied, backend)
+        return lambda: torch.autograd.grad(run(**inputs).loss, weights)
 
     peers = {"gradient_checkpointing_enable()": ("whole", per_block),
              f"PyTorch activation_memory_budget {TORCH_BUDGET:g} (torch.compile)": (
@@ -249,7 +262,8 @@ def causal_lm(config_class: str, model_class: str, extra: dict[str, Any], rounds
                    dict(cost_model=cost_model), rounds, limit,
                    compiled=lambda label, budget, measured: compiled_plan(
                        None, label, budget, "inductor", limit, {"cost_model": cost_model}, compiled_step, measured,
-                       "optremat compile_causal_lm"), compiled_unplanned=("inductor", inductor_step))
+                       "optremat compile_backend" if as_it_is else "optremat compile_causal_lm"),
+                   compiled_unplanned=("inductor", compiled_step("inductor")))
 
 
 def compare(model: nn.Module, inputs: Any, unplanned: Step, planned_step: Step, peers: dict[str, tuple[str, Step]],
