@@ -248,8 +248,7 @@ class Head(torch.nn.Module):
 
 @pytest.mark.parametrize("form", ["keywords", "hidden", "shifted", "autocast", "auxiliary", "vector", "capped",
                                   "capped_bfloat16", "logged", "baseline", "accuracy"])
-def test_a_head_called_by_keyword_beside_its_input_or_under_autocast_compiles_as_eager(form: str,
-                                                                                       monkeypatch) -> None:
+def test_a_head_and_loss_written_other_ways_compile_as_eager(form: str, monkeypatch) -> None:
     """The weight given by keyword after the bias is the weight (it was taken for the
     bias); the head's input returned too is handed to the loss priced (its view was not,
     and the head went unpriced); a strided head input is copied in the graph, where the
