@@ -64,6 +64,22 @@ def test_chunks_give_the_whole_loss_and_gradients(options: dict, chunks: int, bi
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunks", [2, 8])
+def test_a_sum_over_no_label_divided_by_a_count_of_0_after_it_takes_no_gradient(chunks: int, kernel: str) -> None:
+    """The loss summed (`num_items_in_batch=1`) and divided by a count of 0 after it, as
+    a compiled graph's own loss is run after its chunks: nan, and every gradient 0 as
+    the whole loss's (the chunks' were scaled by the division's infinite gradient)."""
+    torch.manual_seed(0)
+    head = nn.Linear(H, V)
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    ignored = torch.full((B, T), -100)
+    params = [hidden, *head.parameters()]
+    got, want = (torch.autograd.grad(CausalLMLoss(head, ignored, chunks=c, num_items_in_batch=1)(hidden)
+                                     / torch.tensor(0), params) for c in (chunks, None))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.1), dict(num_items_in_batch=7)],
                          ids=lambda o: ",".join(o) or "plain")
 def test_a_batch_whose_every_label_is_ignored_trains_as_the_whole_loss(options: dict, kernel: str) -> None:

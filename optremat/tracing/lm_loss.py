@@ -118,6 +118,9 @@ class CausalLMLoss:
             options = nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
             total = F.linear_cross_entropy(flat, weight, target, linear_bias=bias, ignore_index=self.ignore_index,
                                            reduction="sum", options=options)
+            # over no label its gradients are 0 whatever reaches them, as F.cross_entropy's: PyTorch's
+            # kernel scales them by the loss's gradient, nan where that is infinite (a count of 0 after)
+            total = torch.where((target != self.ignore_index).any(), total, 0.0)
             counted = denominator != 0  # every label ignored: F.cross_entropy's nan, and gradients 0 as its
             return total * torch.where(counted, 1 / denominator, 0.0) + torch.where(counted, 0.0, torch.nan)
         return ChunkedCrossEntropy.apply(flat, weight, bias, target, rows, self.ignore_index, self.label_smoothing,
