@@ -33,7 +33,7 @@ from torch.utils._pytree import arg_tree_leaves
 from optremat.core.graph import Graph
 from optremat.runtime.ops import is_random
 from optremat.tracing.costs import DeviceProfile, profile_costs, roofline_cost, runs_on_cpu
-from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, LossPrice, assumed_loss, mutated_inputs,
+from optremat.tracing.extract import (BATCH_NORMS, ExtractionError, LossPrice, assumed_loss, is_view, mutated_inputs,
                                       output_loss_price, to_graph)
 
 _DYNAMO_ROOT = re.compile(r"^L(\[[^\]]*\])+")
@@ -140,8 +140,6 @@ def read_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int, static_inputs:
 _LOSS_OPS = ("nll_loss", "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "kl_div",
              "soft_margin_loss", "multi_margin_loss", "multilabel_margin_loss", "_ctc_loss", "ctc_loss")
 """The aten ops of PyTorch's loss functions (cross-entropy's is nll_loss's)."""
-_VIEWS = ("view", "_unsafe_view", "reshape", "alias", "detach", "slice", "select", "expand", "t", "transpose",
-          "permute", "squeeze", "unsqueeze")
 
 
 def _own_loss(tangents: list[torch.fx.Node], handed: list[torch.fx.Node]) -> int | None:
@@ -165,7 +163,8 @@ def _own_loss(tangents: list[torch.fx.Node], handed: list[torch.fx.Node]) -> int
     for node in handed:
         while isinstance(node, torch.fx.Node) and node is not loss and node not in others:
             others.add(node)
-            node = node.args[0] if _op_name(node) in _VIEWS and node.args else None
+            # a view of its first input, or the reshape of a product's result (`_unsafe_view`)
+            node = node.args[0] if is_view(node) or node.target is torch.ops.aten._unsafe_view.default else None
     seen, stack = set(), [(loss, False)]
     while stack:
         node, through = stack.pop()

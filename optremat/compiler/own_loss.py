@@ -111,10 +111,8 @@ def split_own_loss(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[O
     read = [r for r in results if isinstance(r, fx.Node) and r not in dropped]
     read += [n for t in tail for n in t.all_input_nodes if n not in dropped and n not in placeholders]
     read = list(dict.fromkeys(read))
-    storage = StorageWeakRef(value.untyped_storage())
     if (options is None or not isinstance(example_inputs[placeholders.index(weight)], torch.Tensor)
-            or any(isinstance(r.meta.get("example_value"), torch.Tensor)
-                   and StorageWeakRef(r.meta["example_value"].untyped_storage()) == storage for r in read)):
+            or _storage(hidden) in {_storage(r) for r in read}):
         return None
     prefix, handed = _prefix(gm, (*reversed(tail), loss, *taken), hidden, target, read)
     suffix = _suffix(gm, loss, hidden if dense else None, logits, tail, read, placeholders)

@@ -874,7 +874,7 @@ class _AttentionLocals(TorchFunctionMode):
         if before is not None:
             given = set(_traced_nodes((args[:3], [kwargs.get(k) for k in ("query", "key", "value")])))
             _hold(self.holds, [node for node in _traced_since(before) if node.target is torch.ops.aten.where.self
-                               or (not _is_view(node) and given & set(node.all_input_nodes))])
+                               or (not is_view(node) and given & set(node.all_input_nodes))])
         return out
 
 
@@ -1155,7 +1155,7 @@ def _viewed(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+def is_view(node: torch.fx.Node) -> bool:
     """Whether `node` returns one tensor that its schema says views its first input."""
     returns = getattr(getattr(node.target, "_schema", None), "returns", ())
     return (len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
@@ -1218,7 +1218,7 @@ def to_graph(fx_nodes: list[torch.fx.Node], placeholder_kinds: list[str], param_
         if kind == "op" and storages and not fresh:
             roots = {owner[r] for r in storages}
             alias_of = next((p for p in preds if _root(cols["alias_of"], p) in roots), -1)
-        elif kind == "op" and fresh and _is_view(node):
+        elif kind == "op" and fresh and is_view(node):
             alias_of = index[node.args[0]]  # of a constant, whose recorded tensor is not the one traced
         into = written_into.get(node)
         if into is not None:
