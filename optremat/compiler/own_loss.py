@@ -205,7 +205,7 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
         return None
     out, inputs, targets, rows, head, value = values
     if (rows.dtype != torch.float32 or not out.dtype == inputs.dtype == head.dtype or not inputs.requires_grad
-            or not value.requires_grad or (softcap is not None and out.dtype != torch.float32)
+            or not value.requires_grad
             or out.shape[-1] < WIDENING * inputs.shape[-1] or rows.shape != (out.shape[:-1].numel(), out.shape[-1])
             or targets.shape != rows.shape[:1] or targets.dtype not in (torch.long, torch.uint8)):
         return None
@@ -218,8 +218,8 @@ def _head_and_loss(loss: fx.Node, output: fx.Node) -> tuple | None:
 
 def _softcap(node: fx.Node) -> tuple[list[fx.Node], float] | None:
     """Where `node` caps logits as Gemma 2 does, `c * tanh(x / c)`: its product, tanh and
-    quotient, each read only by the next, and c; else None. The loss caps them so in
-    float32 (`CausalLMLoss(softcap=c)`), so only float32 logits are taken out with it."""
+    quotient, each read only by the next, and c; else None. The chunks cap them so in the
+    head's dtype before the cast (`CausalLMLoss(softcap=c)`)."""
     if node.op != "call_function" or node.target not in (operator.mul, torch.mul) or len(node.args) != 2:
         return None
     tanh, cap = node.args if isinstance(node.args[0], fx.Node) else node.args[::-1]

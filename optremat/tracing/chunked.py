@@ -153,15 +153,15 @@ entries it leaves are 1e-28 from the unclipped ones."""
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """`sum(cross_entropy(softcap(linear(hidden, weight, bias).float()), labels)) / denominator`
+    """`sum(cross_entropy(softcap(linear(hidden, weight, bias)).float(), labels)) / denominator`
     over rows `rows` at a time, with `ignore_index` rows left out and `label_smoothing` as
     `F.cross_entropy` applies it; `softcap` None or c for c * tanh(logits / c).
 
-    The forward holds one chunk's float32 logits (two with softcap: their tanh
-    derivative) and builds the gradients of hidden, weight and bias as it goes; the
-    backward scales them by the loss's gradient in place, or into new tensors where the
-    graph is kept for another backward (`retain_graph`). Its gradients have no
-    gradients themselves (no double backward)."""
+    The forward holds one chunk's float32 logits (with softcap also their capped tanh,
+    in the head's dtype, for the cap's backward) and builds the gradients of hidden,
+    weight and bias as it goes; the backward scales them by the loss's gradient in
+    place, or into new tensors where the graph is kept for another backward
+    (`retain_graph`). Its gradients have no gradients themselves (no double backward)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -223,16 +223,17 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     to `grad_weight` and `grad_bias`. Its logits die when it returns, as a trace prices
     them: a loop body holding them in its variables would keep the last chunk's until the
     next chunk's exist."""
-    logits = F.linear(hidden, weight, bias).float()
-    slope = None
-    if softcap is not None:
-        logits.div_(softcap).tanh_()
-        slope = torch.mul(logits, logits).neg_().add_(1)
-        logits.mul_(softcap)
+    logits = F.linear(hidden, weight, bias)
+    capped = None
+    if softcap is not None:  # in the logits' own dtype, as Gemma 2 caps them
+        capped = logits.div_(softcap).tanh_()
+        logits = capped * softcap
+    logits = logits.float()
     picked = logits.gather(1, target)[:, 0]
     mean = logits.mean(1) if label_smoothing else None
     top = logits.amax(1)
     grad = logits.sub_(top[:, None]).clamp_min_(EXP_FLOOR).exp_()  # softmax in place: logsumexp would hide a copy
+    del logits  # the same storage as grad, which a cap's backward casts: the float32 one dies then, as priced
     total = grad.sum(1)
     grad.div_(total[:, None])
     lse = top + total.log()
@@ -242,13 +243,14 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         grad.sub_(label_smoothing / weight.shape[0])
     grad.scatter_add_(1, target, torch.full(target.shape, label_smoothing - 1, dtype=grad.dtype, device=grad.device))
     grad.mul_(scale)
-    if slope is not None:
-        grad.mul_(slope)
-        slope = None  # freed before the matmuls, as a trace prices it
+    if capped is not None:  # the cap's backward, op by op in the logits' dtype, as autograd runs it
+        grad = grad.to(capped.dtype).mul_(softcap)
+        torch.ops.aten.tanh_backward.grad_input(grad, capped, grad_input=grad).div_(softcap)
+        capped = None  # freed before the matmuls, as a trace prices it
     if grad_hidden is not None:
         torch.mm(grad.to(hidden.dtype), weight, out=grad_hidden)
     if grad_weight is not None:
-        grad_weight.addmm_(grad.t(), hidden.float())
+        grad_weight.addmm_(grad.t().float(), hidden.float())
     if grad_bias is not None:
-        grad_bias += grad.sum(0)
+        grad_bias += grad.sum(0, dtype=torch.float32)
     return (loss * scale[:, 0]).sum()

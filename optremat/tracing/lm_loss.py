@@ -52,8 +52,9 @@ class CausalLMLoss:
     Positions labelled `ignore_index` count for nothing. The loss is the mean over the
     counted positions, or the sum over `num_items_in_batch` when given (as transformers
     averages over a whole gradient-accumulation batch). `label_smoothing` is
-    `F.cross_entropy`'s; `softcap` c applies c * tanh(logits / c) to the float32 logits
-    (Gemma 2's final logit softcapping).
+    `F.cross_entropy`'s; `softcap` c applies c * tanh(logits / c) to the logits in the
+    head's dtype, before they are cast to float32 (Gemma 2's final logit softcapping,
+    which caps bfloat16 logits in bfloat16).
 
     `chunks` None computes the whole logits, `F.cross_entropy(F.linear(h, W, b).float())`;
     k runs the head and loss in k token chunks, gradients taken in the forward
@@ -129,9 +130,10 @@ class CausalLMLoss:
     def _whole(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                target: torch.Tensor) -> torch.Tensor:
         """The reference: the whole logits in float32."""
-        logits = F.linear(hidden, weight, bias).float()
+        logits = F.linear(hidden, weight, bias)
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
+        logits = logits.float()
         if self.num_items_in_batch is None:
             return F.cross_entropy(logits, target, ignore_index=self.ignore_index,
                                    label_smoothing=self.label_smoothing)
