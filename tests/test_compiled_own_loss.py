@@ -160,8 +160,9 @@ def test_a_transformers_causal_lm_compiled_whole_runs_its_own_loss_in_chunks(for
     chunks, with the eager model's loss and gradients, at its predicted peak; also
     with `num_items_in_batch`, as `transformers.Trainer` passes it (the loss summed,
     then divided by it inside the graph), a Gemma 2, its logits capped (in bfloat16 too:
-    to bfloat16's precision), and a GPT-2 told its loss type (without it, transformers warns that the type is unset, and
-    dynamo breaks the graph there, between the head and the loss)."""
+    to bfloat16's precision), and a GPT-2 told its loss type (without it, transformers
+    warns that the type is unset, and dynamo breaks the graph there, between the head
+    and the loss)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     sizes = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
