@@ -37,14 +37,16 @@ FAMILIES = {
     "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**LAYERS, head_dim=16,
                                                                                    final_logit_softcapping=0.2)),
     "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**LAYERS)),
+    "glm4": lambda: transformers.Glm4ForCausalLM(transformers.Glm4Config(**LAYERS, head_dim=16, pad_token_id=0)),
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **LAYERS, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)),
 }
 """Small models from their configs: GPT-2 and the Gemmas tie the head to the embedding,
 GPT-2 has dropout, Gemma 2's and 3's softcapping (0.2) bends their logits (about 0.2 at
 random initialisation) well away from the identity, and the Mixtral adds its router's
-load-balancing loss. OLMo 2, Gemma 3 and Mixtral are named nowhere in optremat: their
-forwards have the code of Llama's, Gemma 2's and Mixtral's."""
+load-balancing loss. OLMo 2, GLM-4, Gemma 3 and Mixtral are named nowhere in optremat:
+their forwards have the code of Llama's, Gemma 2's and Mixtral's (GLM-4's annotated as
+returning `tuple | CausalLMOutputWithPast`, so its head ran whole before)."""
 
 
 def built(family: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -30,7 +30,7 @@ import textwrap
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, get_args
 
 import torch
 import torch.nn as nn
@@ -294,12 +294,11 @@ class HeadInChunks:
             kept["aux_loss"] = _router_loss(model, outputs, arguments)
             if kept["aux_loss"] is not None:
                 loss = loss + model.router_aux_loss_coef * kept["aux_loss"].to(loss.device)
-        result = _signature(type(model)).return_annotation
-        output = result(loss=loss, logits=None, **kept)
+        output = _output_class(type(model))(loss=loss, logits=None, **kept)
         if return_dict:
             return output
         # as ModelOutput.to_tuple, which leaves out what is None, but with the logits' place kept
-        return tuple(getattr(output, f.name) for f in fields(result)
+        return tuple(getattr(output, f.name) for f in fields(output)
                      if f.name == "logits" or getattr(output, f.name) is not None)
 
 
@@ -346,8 +345,8 @@ def _unsupported_class(model: nn.Module) -> str | None:
     if getattr(model, form.base, None) is not model.base_model:
         return f"{name}'s forward runs its {form.base}, which is not its base_model"
     signature = _signature(type(model))
-    result = signature.return_annotation
-    if (not all(p in signature.parameters for p in _SPLIT) or not is_dataclass(result)
+    result = _output_class(type(model))
+    if (not all(p in signature.parameters for p in _SPLIT) or result is None
             or not {"loss", "logits"} <= {f.name for f in fields(result)}):
         return f"{name}'s forward does not take labels and logits_to_keep and return loss and logits"
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -461,3 +460,12 @@ def _runs_its_class_forward(model: nn.Module) -> bool:
 def _signature(cls: type) -> inspect.Signature:
     """The signature of the forward `cls` runs, through its decorators."""
     return inspect.signature(cls.forward)
+
+
+def _output_class(cls: type) -> type | None:
+    """The output dataclass the forward `cls` runs returns, by its annotation: the class
+    itself, or the one dataclass of a union (Glm4's `tuple | CausalLMOutputWithPast`);
+    None where there is none."""
+    result = _signature(cls).return_annotation
+    members = [a for a in get_args(result) if is_dataclass(a)] if get_args(result) else [result]
+    return members[0] if len(members) == 1 and is_dataclass(members[0]) else None
